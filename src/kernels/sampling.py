@@ -1,0 +1,430 @@
+"""Batch-invariant token sampling: one vectorized call per decode step, per-row parameters.
+
+Every quantity that decides a row's token is computed with row-wise MLX ops only
+(elementwise, and max / sum / cumsum / sort / top-k along the vocabulary axis), so a
+request produces the same tokens whether it runs alone or next to 63 other requests.
+Randomness is counter-based: the single uniform a row consumes is a hash of
+``(seed, position)``, never a shared generator stream.
+
+Per-row pipeline, in order:
+
+1. Penalties on the model logits, for tokens in the row's history:
+   repetition penalty (HF / llama.cpp: positive logits divided, negative multiplied; history
+   = prompt + generated tokens), then ``- frequency_penalty * count - presence_penalty *
+   (count > 0)`` (OpenAI; counts over generated tokens only), then ``logit_bias`` (clamped
+   to [-100, 100]). Bias is applied last so that -100 / +100 act as a ban / force.
+   The result is the "processed logits" ``z``.
+2. ``temperature == 0`` (or ``top_k == 1``): greedy, ``argmax(z)``, ties -> lowest token id.
+3. Otherwise ``e = exp((z - max z) / temperature)`` (unnormalised probabilities, the top
+   token has exactly 1.0), then truncation in the order top_k, top_p, min_p:
+   ranks follow a stable descending sort of ``e`` (ties -> lower token id first); top_k
+   keeps the first k ranks; top_p keeps the shortest rank prefix, within the top_k set,
+   whose mass reaches ``top_p`` of the top_k set's mass (top_k-renormalised, as vLLM / HF
+   do); min_p keeps tokens with ``p >= min_p * p_max``.
+4. Inverse-CDF draw over the kept tokens in token-id order: the first token whose running
+   sum exceeds ``u * total``, with ``u`` the row's counter-based uniform.
+
+Reported logprobs are ``log_softmax(z)``: after penalties and bias, before temperature and
+truncation, i.e. what the (penalised) model thinks of the token, as OpenAI reports it.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "RowState",
+    "SampleResult",
+    "SamplingParams",
+    "sample_rows",
+    "uniform_for",
+]
+
+MAX_TOP_LOGPROBS = 20
+_BIAS_LIMIT = 100.0
+_LOG2E = 1.4426950408889634
+# Prefix length fetched with top-k for top_p-only rows; wider nuclei fall back to a full sort.
+_TOP_P_PREFIX = 1024
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling knobs (OpenAI names and ranges, plus top_k / min_p / repetition)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Freeze a private copy so later caller mutation cannot desync RowState tables.
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", MappingProxyType(dict(self.logit_bias)))
+
+    @property
+    def greedy(self) -> bool:
+        """top_k == 1 keeps only the argmax (ties -> lowest id), exactly what greedy does."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the row needs the history / bias gather-scatter at all."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
+        )
+
+    def validate(self, vocab_size: int) -> None:
+        """Reject bad requests up front with a message a client can act on."""
+
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+            return float(value)
+
+        if not 0.0 <= number("temperature", self.temperature) <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not 0.0 < number("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if number("repetition_penalty", self.repetition_penalty) <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise ValueError(f"logit_bias keys must be integer token ids, got {token!r}")
+            if not 0 <= token < vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {token} is out of range [0, {vocab_size})"
+                )
+            number(f"logit_bias[{token}]", bias)
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+class RowState:
+    """Per-request sampler memory, owned by the slot: the seed in use and the token history.
+
+    Only requests that use penalties or bias keep a table; it is a compact list of
+    (token id, history flag, generated count) rather than a dense vocab-sized array, so a
+    decode step gathers / scatters a few entries per row instead of building [N, V] tensors.
+    """
+
+    __slots__ = ("params", "seed", "num_generated", "_slot", "_ids", "_rep", "_add",
+                 "_count", "_seen", "_n")
+
+    def __init__(self, params: SamplingParams, prompt_tokens: Sequence[int] = ()) -> None:
+        self.params = params
+        # Chosen once at request start and recorded, so a run can be replayed with this seed.
+        self.seed = (params.seed if params.seed is not None else secrets.randbits(63)) & _U64
+        self.num_generated = 0
+        self._slot: dict[int, int] = {}
+        self._n = 0
+        self._ids = np.zeros(0, np.int32)
+        self._rep = np.zeros(0, np.float32)
+        self._add = np.zeros(0, np.float32)
+        self._count = np.zeros(0, np.int64)
+        self._seen = np.zeros(0, bool)
+        if not params.penalizes:
+            return
+        for token in (params.logit_bias or {}):
+            self._entry(int(token))
+        if params.repetition_penalty != 1.0 and len(prompt_tokens):
+            for token in np.unique(np.asarray(prompt_tokens, dtype=np.int64)).tolist():
+                j = self._entry(token)
+                self._seen[j] = True
+        for j in range(self._n):
+            self._refresh(j)
+
+    def observe(self, token: int) -> None:
+        """Record a generated token; call once per step, after sample_rows."""
+        self.num_generated += 1
+        p = self.params
+        if not (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
+            return
+        j = self._entry(int(token))
+        self._seen[j] = True
+        self._count[j] += 1
+        self._refresh(j)
+
+    def generated_counts(self) -> dict[int, int]:
+        """Generated-token counts as tracked for frequency / presence penalties."""
+        return {int(t): int(c) for t, c in zip(self._ids[: self._n], self._count[: self._n],
+                                               strict=True) if c}
+
+    def _entry(self, token: int) -> int:
+        j = self._slot.get(token)
+        if j is not None:
+            return j
+        if self._n == len(self._ids):
+            cap = max(16, 2 * self._n)
+            self._ids = np.resize(self._ids, cap)
+            self._rep = np.resize(self._rep, cap)
+            self._add = np.resize(self._add, cap)
+            self._count = np.resize(self._count, cap)
+            self._seen = np.resize(self._seen, cap)
+        j = self._n
+        self._n += 1
+        self._slot[token] = j
+        self._ids[j] = token
+        self._count[j] = 0
+        self._seen[j] = False
+        self._rep[j] = 1.0
+        self._add[j] = 0.0
+        return j
+
+    def _refresh(self, j: int) -> None:
+        # The additive term is folded in float64 and rounded once, so it is exact to f32.
+        p = self.params
+        count = int(self._count[j])
+        bias = float((p.logit_bias or {}).get(int(self._ids[j]), 0.0))
+        bias = min(max(bias, -_BIAS_LIMIT), _BIAS_LIMIT)
+        self._add[j] = bias - p.frequency_penalty * count - p.presence_penalty * (count > 0)
+        self._rep[j] = p.repetition_penalty if self._seen[j] else 1.0
+
+
+@dataclass
+class SampleResult:
+    """Tokens for one step; logprobs are log_softmax of the penalised, unscaled logits."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def uniform_for(seed: int, position: int) -> float:
+    """Counter-based uniform in [0, 1): element ``position`` of a splitmix64 stream keyed by seed.
+
+    24 bits, so the value is exact in float32 and strictly below 1.
+    """
+    h = _mix64((_mix64(seed & _U64) + (position + 1) * 0x9E3779B97F4A7C15) & _U64)
+    return (h >> 40) / float(1 << 24)
+
+
+def _apply_penalties(z: mx.array, states: Sequence[RowState]) -> mx.array:
+    """Gather the few penalised entries per row, fix them up, scatter them back."""
+    width = max(s._n for s in states)
+    if width == 0:
+        return z
+    n = len(states)
+    ids = np.zeros((n, width), np.int32)
+    rep = np.ones((n, width), np.float32)
+    add = np.zeros((n, width), np.float32)
+    for i, s in enumerate(states):
+        k = s._n
+        if k == 0:
+            continue  # token 0 is rewritten with itself: rep 1, add 0
+        ids[i, :k], rep[i, :k], add[i, :k] = s._ids[:k], s._rep[:k], s._add[:k]
+        # Padding repeats entry 0, so duplicate scatter targets receive identical values.
+        ids[i, k:], rep[i, k:], add[i, k:] = s._ids[0], s._rep[0], s._add[0]
+    idx = mx.array(ids)
+    r = mx.array(rep)
+    g = mx.take_along_axis(z, idx, axis=-1)
+    g = mx.where(g > 0, g / r, g * r) + mx.array(add)
+    return mx.put_along_axis(z, idx, g, axis=-1)
+
+
+def _desc(x: mx.array) -> mx.array:
+    return -mx.sort(-x, axis=-1)
+
+
+def _cutoffs(
+    prefix: mx.array, k_eff: np.ndarray, top_p: np.ndarray, total: mx.array, vocab: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Kept-rank count c and threshold e[c-1] from a descending prefix of e.
+
+    Returns (c, thr, resolved); unresolved rows have a nucleus longer than the prefix.
+    Prefix cumsums are sequential, so a row gets identical numbers from any prefix length.
+    """
+    width = prefix.shape[-1]
+    kk = mx.array(np.minimum(k_eff, width).astype(np.int32))[:, None]
+    inclusive = mx.cumsum(prefix, axis=-1)
+    before = mx.cumsum(prefix, axis=-1, inclusive=False)
+    mass_k = mx.take_along_axis(inclusive, kk - 1, axis=-1)[:, 0]
+    mass = mx.where(mx.array(k_eff < vocab), mass_k, total)
+    target = mx.array(top_p) * mass
+    count = mx.sum(before < target[:, None], axis=-1)
+    count_np = np.array(count).astype(np.int64)
+    p_on = top_p < 1.0
+    p_known = ~p_on | (count_np < width)
+    c_p = np.where(p_on, count_np, vocab)
+    c = np.minimum(k_eff, c_p)
+    resolved = p_known | (k_eff <= width)
+    c = np.where(resolved, c, vocab)
+    cut = np.clip(c, 1, width) - 1
+    thr = np.array(mx.take_along_axis(prefix, mx.array(cut.astype(np.int32))[:, None], -1))[:, 0]
+    return c, thr, resolved
+
+
+def _truncation_mask(
+    e: mx.array,
+    total: mx.array,
+    k_eff: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+) -> mx.array | None:
+    """Boolean keep mask for top_k / top_p / min_p, or None when no row truncates."""
+    n, vocab = e.shape
+    ranked = (k_eff < vocab) | (top_p < 1.0)
+    if not ranked.any() and not (min_p > 0).any():
+        return None
+    lo = min_p.astype(np.float32)
+    thr = np.zeros(n, np.float32)
+    c = np.full(n, vocab, np.int64)
+    if ranked.any():
+        width = int(max(int(k_eff[ranked & (k_eff < vocab)].max(initial=0)),
+                        _TOP_P_PREFIX if ((k_eff >= vocab) & ranked).any() else 0))
+        if 4 * width >= vocab:
+            prefix = _desc(e)
+        else:
+            prefix = _desc(mx.topk(e, width, axis=-1))
+        c, thr, resolved = _cutoffs(prefix, k_eff, top_p, total, vocab)
+        if not resolved.all():
+            rows = np.nonzero(~resolved)[0]
+            full = _desc(mx.take(e, mx.array(rows.astype(np.int32)), axis=0))
+            sub_total = mx.take(total, mx.array(rows.astype(np.int32)), axis=0)
+            c_f, thr_f, _ = _cutoffs(full, k_eff[rows], top_p[rows], sub_total, vocab)
+            c[rows], thr[rows] = c_f, thr_f
+        thr = np.where(c >= vocab, np.float32(0.0), thr).astype(np.float32)
+        lo = np.maximum(lo, thr)
+    keep = e >= mx.array(lo)[:, None]
+    if ranked.any():
+        # Tokens tied with the threshold: keep only the lowest ids, as a stable sort would.
+        thr_mx = mx.array(np.where(c >= vocab, np.float32(-1.0), thr).astype(np.float32))[:, None]
+        n_gt = mx.sum(e > thr_mx, axis=-1)
+        n_ge = mx.sum(e >= thr_mx, axis=-1)
+        mx.eval(n_gt, n_ge)
+        n_gt_np, n_ge_np = np.array(n_gt), np.array(n_ge)
+        excess = (c < vocab) & (n_ge_np > c)
+        if excess.any():
+            need = mx.array(np.where(excess, c - n_gt_np, vocab).astype(np.int32))[:, None]
+            eq = e == mx.array(np.where(excess, thr, np.float32(-1.0)))[:, None]
+            rank = mx.cumsum(eq.astype(mx.int32), axis=-1)
+            keep = keep & (mx.logical_not(eq) | (rank <= need))
+    return keep
+
+
+def _draw(
+    z: mx.array, row_max: mx.array, params: Sequence[SamplingParams], uniforms: np.ndarray
+) -> mx.array:
+    """Inverse-CDF draw for non-greedy rows; returns token ids [n]."""
+    n, vocab = z.shape
+    scale = np.array([_LOG2E / p.temperature for p in params], np.float32)
+    e = mx.power(2.0, (z - row_max[:, None]) * mx.array(scale)[:, None])
+    k_eff = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params], np.int64)
+    top_p = np.array([p.top_p for p in params], np.float32)
+    min_p = np.array([p.min_p for p in params], np.float32)
+    total = mx.sum(e, axis=-1)
+    keep = _truncation_mask(e, total, k_eff, top_p, min_p)
+    if keep is not None:
+        e = e * keep
+    cdf = mx.cumsum(e, axis=-1)
+    mass = cdf[:, -1:]
+    target = mx.array(uniforms.astype(np.float32))[:, None] * mass
+    # First index whose running sum exceeds the target; the second count guards the case
+    # where float rounding puts the target at the very top of the CDF.
+    first = mx.sum(cdf <= target, axis=-1)
+    last = mx.sum(cdf < mass, axis=-1)
+    return mx.minimum(first, last)
+
+
+def sample_rows(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    states: Sequence[RowState],
+    positions: Sequence[int] | None = None,
+    *,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+) -> SampleResult:
+    """Sample one token per row of ``logits`` [N, V]; row i uses params[i], states[i].
+
+    ``positions[i]`` is the row's draw counter (default: tokens generated so far). States are
+    not modified: call ``states[i].observe(token)`` once the token is committed.
+    ``top_logprobs`` (<= 20) implies ``logprobs``.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [N, V], got shape {logits.shape}")
+    n, vocab = logits.shape
+    if not (len(params) == len(states) == n):
+        raise ValueError(f"got {n} rows, {len(params)} params and {len(states)} states")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    if positions is None:
+        positions = [s.num_generated for s in states]
+    z = logits.astype(mx.float32)
+    if any(s._n for s in states):
+        z = _apply_penalties(z, states)
+
+    greedy = np.array([p.greedy for p in params], bool)
+    arg = mx.argmax(z, axis=-1) if greedy.any() else None
+    row_max = mx.max(z, axis=-1) if (not greedy.all() or logprobs or top_logprobs) else None
+    drawn = None
+    if not greedy.all():
+        rows = np.nonzero(~greedy)[0]
+        uniforms = np.array([uniform_for(states[i].seed, positions[i]) for i in rows])
+        if len(rows) == n:
+            zs, ms = z, row_max
+        else:
+            sel = mx.array(rows.astype(np.int32))
+            zs, ms = mx.take(z, sel, axis=0), mx.take(row_max, sel, axis=0)
+        drawn = _draw(zs, ms, [params[i] for i in rows], uniforms)
+    mx.eval(*[a for a in (arg, drawn) if a is not None])
+    tokens = np.zeros(n, np.int64)
+    if arg is not None:
+        tokens[greedy] = np.array(arg)[greedy]
+    if drawn is not None:
+        tokens[~greedy] = np.array(drawn)
+    result = SampleResult(tokens=tokens.tolist())
+    if not (logprobs or top_logprobs):
+        return result
+
+    shifted = z - row_max[:, None]
+    lse = mx.log(mx.sum(mx.power(2.0, shifted * _LOG2E), axis=-1, keepdims=True))
+    picked = mx.take_along_axis(shifted, mx.array(tokens.astype(np.int32))[:, None], -1) - lse
+    outs = [picked]
+    if top_logprobs:
+        top_ids = mx.argpartition(-z, top_logprobs - 1, axis=-1)[:, :top_logprobs]
+        outs += [top_ids, mx.take_along_axis(shifted, top_ids, -1) - lse]
+    mx.eval(*outs)
+    result.logprobs = np.array(picked)[:, 0].astype(float).tolist()
+    if top_logprobs:
+        ids_np, vals_np = np.array(outs[1]), np.array(outs[2])
+        result.top_logprobs = []
+        for ids_row, vals_row in zip(ids_np, vals_np, strict=True):
+            order = np.lexsort((ids_row, -vals_row))
+            result.top_logprobs.append(
+                [(int(ids_row[j]), float(vals_row[j])) for j in order]
+            )
+    return result

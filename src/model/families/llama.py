@@ -1,0 +1,103 @@
+"""Llama family (SmolLM2, Llama 2/3 with rope scaling, Mistral-style dense models)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from slotserve.model.config import ModelConfig
+from slotserve.model.kv import SlotKV
+from slotserve.model.layers import Batch, Embedding, Linear, Rope, attend, pad_rows, rms_norm
+from slotserve.model.weights import Tensor
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
+                 quant: bool) -> None:
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = Linear.fused(
+            [w[f"{p}.q_proj.weight"], w[f"{p}.k_proj.weight"], w[f"{p}.v_proj.weight"]],
+            dtype, quant,
+        )
+        self.o = Linear(w[f"{p}.o_proj.weight"], dtype, quant)
+        self.scale = cfg.attn_scale
+
+    def split_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        r = x.shape[0]
+        nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        qkv = self.qkv(x)
+        q = qkv[:, :nq].reshape(r, self.heads, self.head_dim)
+        k = qkv[:, nq : nq + nk].reshape(r, self.kv_heads, self.head_dim)
+        v = qkv[:, nq + nk :].reshape(r, self.kv_heads, self.head_dim)
+        return q, k, v
+
+    def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
+                 sin: mx.array) -> mx.array:
+        q, k, v = self.split_heads(x)
+        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        out = attend(q, k, v, batch, layer, self.scale)
+        return self.o(out.reshape(out.shape[0], -1))
+
+
+class MLP:
+    def __init__(self, w: dict[str, Tensor], p: str, dtype: mx.Dtype, quant: bool) -> None:
+        gate = w[f"{p}.gate_proj.weight"]
+        self.inter = gate.shape[0]
+        self.gate_up = Linear.fused([gate, w[f"{p}.up_proj.weight"]], dtype, quant)
+        self.down = Linear(w[f"{p}.down_proj.weight"], dtype, quant)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gu = self.gate_up(x)
+        g, u = gu[:, : self.inter], gu[:, self.inter :]
+        return self.down(g * mx.sigmoid(g) * u)
+
+
+class Block:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, dtype: mx.Dtype,
+                 quant: bool) -> None:
+        p = f"model.layers.{i}"
+        self.attn = Attention(cfg, w, f"{p}.self_attn", dtype, quant)
+        self.mlp = MLP(w, f"{p}.mlp", dtype, quant)
+        self.in_norm = w[f"{p}.input_layernorm.weight"].astype(dtype)
+        self.post_norm = w[f"{p}.post_attention_layernorm.weight"].astype(dtype)
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
+                 sin: mx.array) -> mx.array:
+        h = x + self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin)
+        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+
+
+class Model:
+    """Decoder-only transformer over a row batch; see slotserve.model.layers."""
+
+    block_class = Block
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], dtype: mx.Dtype,
+                 quant: bool) -> None:
+        self.config, self.dtype = cfg, dtype
+        self.embed = Embedding(w["model.embed_tokens.weight"], dtype, quant)
+        self.layers = [self.block_class(cfg, w, i, dtype, quant) for i in range(cfg.num_layers)]
+        self.norm = w["model.norm.weight"].astype(dtype)
+        head = w.get("lm_head.weight")
+        self.lm_head = self.embed.as_linear() if head is None else Linear(head, dtype, quant)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype)
+
+    def new_kv(self) -> SlotKV:
+        c = self.config
+        return SlotKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def embed_tokens(self, tokens: mx.array) -> mx.array:
+        return self.embed(tokens)
+
+    def __call__(self, tokens: mx.array, batch: Batch, logit_rows: list[int]) -> mx.array:
+        """Run R token rows; return float32 logits for the rows in logit_rows."""
+        for seg in batch.segments:
+            seg.kv.reserve(seg.start + seg.length)
+        max_pos = max(s.start + s.length for s in batch.segments)
+        cos, sin = self.rope.tables(batch.positions, max_pos)
+        x = self.embed_tokens(batch.pad_tokens(tokens))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, i, cos, sin)
+        x = x[mx.array(logit_rows, dtype=mx.int32)]
+        x = rms_norm(pad_rows(x), self.norm, self.config.rms_norm_eps)
+        return self.lm_head(x)[: len(logit_rows)].astype(mx.float32)

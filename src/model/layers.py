@@ -1,0 +1,221 @@
+"""Building blocks shared by the model families.
+
+Every forward works on a *row batch*: R token rows that may belong to several
+sequences (slots). `Segment` says which consecutive rows belong to which slot
+and at which absolute positions, so projections and MLPs run once over all rows
+(weights read once per step) while attention reads each slot's own KV.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from slotserve.kernels.attention import AttentionPlan, block_attention
+from slotserve.model.kv import SlotKV
+from slotserve.model.weights import QuantizedWeight, Tensor
+
+LINEAR_ROW_FLOOR = 1  # raised by the start-up invariance probe when BLAS needs it
+
+
+@dataclass
+class Segment:
+    """Rows [row, row+length) of the batch are positions [start, start+length) of kv."""
+
+    kv: SlotKV
+    start: int
+    length: int
+    row: int = 0
+    plan: AttentionPlan | None = None
+
+    def attention_plan(self) -> AttentionPlan:
+        if self.plan is None:
+            self.plan = AttentionPlan.build(self.start, self.length)
+        return self.plan
+
+
+@dataclass
+class Batch:
+    segments: list[Segment]
+    positions: mx.array  # [R] int32 absolute position per row
+
+    @staticmethod
+    def build(parts: list[tuple[SlotKV, int, int]]) -> Batch:
+        segs: list[Segment] = []
+        pos: list[int] = []
+        row = 0
+        for kv, start, length in parts:
+            segs.append(Segment(kv, start, length, row))
+            pos.extend(range(start, start + length))
+            row += length
+        pos.extend([0] * (LINEAR_ROW_FLOOR - len(pos)))  # padding rows (discarded)
+        return Batch(segs, mx.array(pos, dtype=mx.int32))
+
+    @property
+    def rows(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    @property
+    def padded_rows(self) -> int:
+        return self.positions.shape[0]
+
+    def pad_tokens(self, tokens: mx.array) -> mx.array:
+        extra = self.padded_rows - tokens.shape[0]
+        return tokens if extra == 0 else mx.concatenate([tokens, mx.zeros((extra,), tokens.dtype)])
+
+
+class Linear:
+    """y = x W^T, with W kept dense (CPU: f32 through BLAS) or affine-quantized."""
+
+    def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool) -> None:
+        self.q: QuantizedWeight | None = None
+        self.w: mx.array | None = None
+        if isinstance(weight, QuantizedWeight):
+            if keep_quantized:
+                self.q = weight
+            else:
+                self.w = weight.dequantize(compute_dtype)
+        else:
+            self.w = weight.astype(compute_dtype)
+
+    @staticmethod
+    def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool) -> Linear:
+        """One matrix for several projections of the same input (QKV, gate+up)."""
+        if keep_quantized and all(isinstance(p, QuantizedWeight) for p in parts):
+            qs: list[QuantizedWeight] = parts  # type: ignore[assignment]
+            if len({(p.bits, p.group_size) for p in qs}) == 1:
+                return Linear(
+                    QuantizedWeight(
+                        mx.concatenate([p.weight for p in qs]),
+                        mx.concatenate([p.scales for p in qs]),
+                        mx.concatenate([p.biases for p in qs]),
+                        qs[0].group_size,
+                        qs[0].bits,
+                    ),
+                    compute_dtype,
+                    True,
+                )
+        dense = [
+            p.dequantize(compute_dtype) if isinstance(p, QuantizedWeight) else p.astype(compute_dtype)
+            for p in parts
+        ]
+        return Linear(mx.concatenate(dense), compute_dtype, False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.q is not None:
+            q = self.q
+            return mx.quantized_matmul(
+                x, q.weight, q.scales, q.biases, transpose=True, group_size=q.group_size,
+                bits=q.bits,
+            )
+        assert self.w is not None
+        return x @ self.w.T
+
+
+class Embedding:
+    """Token embedding table; doubles as the tied lm_head."""
+
+    def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool) -> None:
+        self.linear = Linear(weight, compute_dtype, keep_quantized)
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        lin = self.linear
+        if lin.q is not None:
+            q = lin.q
+            return mx.dequantize(
+                q.weight[tokens], q.scales[tokens], q.biases[tokens], group_size=q.group_size,
+                bits=q.bits,
+            ).astype(self.compute_dtype)
+        assert lin.w is not None
+        return lin.w[tokens]
+
+    def as_linear(self) -> Linear:
+        return self.linear
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> mx.array:
+    """Inverse frequencies, with Llama-3 and linear scaling as HF defines them."""
+    inv = 1.0 / (theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    out = mx.where(wavelen > old_ctx / low, inv / factor, inv)
+    is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return mx.where(is_mid, mid, out)
+
+
+class Rope:
+    """Rotate-half RoPE from a cos/sin table gathered by each row's absolute position.
+
+    A table lookup (instead of a kernel with a scalar offset) lets every row of a
+    mixed batch carry its own position, and gives each position the same bits
+    whatever batch it is computed in.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                 dtype: mx.Dtype) -> None:
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.dtype = dtype
+        self.size = 0
+        self.cos = self.sin = mx.zeros((0,))
+
+    def _grow(self, n: int) -> None:
+        size = max(4096, 1 << (n - 1).bit_length())
+        ang = mx.arange(size, dtype=mx.float32)[:, None] * self.inv_freq[None, :]
+        emb = mx.concatenate([ang, ang], axis=-1)
+        self.cos, self.sin = mx.cos(emb).astype(self.dtype), mx.sin(emb).astype(self.dtype)
+        mx.eval(self.cos, self.sin)
+        self.size = size
+
+    def tables(self, positions: mx.array, max_pos: int) -> tuple[mx.array, mx.array]:
+        if max_pos >= self.size:
+            self._grow(max_pos + 1)
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        """x: [R, heads, head_dim]."""
+        half = x.shape[-1] // 2
+        rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return x * cos + rotated * sin
+
+
+def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scale: float,
+           window: int | None = None) -> mx.array:
+    """Write each segment's new K/V into its slot and attend; q/k/v: [R, heads, D]."""
+    outs = []
+    for seg in batch.segments:
+        rows = slice(seg.row, seg.row + seg.length)
+        keys, values = seg.kv.write(
+            layer, seg.start, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2)
+        )
+        outs.append(block_attention(q[rows], keys, values, seg.attention_plan(), scale, window))
+    extra = q.shape[0] - batch.rows
+    if extra:
+        outs.append(mx.zeros((extra, *q.shape[1:]), dtype=q.dtype))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def pad_rows(x: mx.array) -> mx.array:
+    """Pad the row batch so every matmul sees at least LINEAR_ROW_FLOOR rows."""
+    r = x.shape[0]
+    if r >= LINEAR_ROW_FLOOR:
+        return x
+    return mx.concatenate([x, mx.zeros((LINEAR_ROW_FLOOR - r, *x.shape[1:]), dtype=x.dtype)])

