@@ -11,11 +11,12 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from structlog.testing import capture_logs
+
 from slotserve.model.chat_template import DEFAULT_CHATML_TEMPLATE, ChatTemplate, TemplateError
 from slotserve.model.detokenizer import IncrementalDetokenizer, StopMatcher
 from slotserve.model.errors import ModelLoadError, UnsupportedModelError
 from slotserve.model.tokenizer import Tokenizer
-from structlog.testing import capture_logs
 
 TRICKY = [
     "Hello world",

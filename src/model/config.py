@@ -15,7 +15,9 @@ FAMILY_BY_HF_ARCH = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3TextForCausalLM": "gemma3",
 }
-FAMILY_BY_GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
+FAMILY_BY_GGUF_ARCH = {
+    "llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3"
+}
 
 
 @dataclass
@@ -44,6 +46,8 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1  # qwen3_moe: layer i is sparse when (i+1) % step == 0
+    mlp_only_layers: list[int] = field(default_factory=list)  # qwen3_moe: dense layers
 
     @property
     def attn_scale(self) -> float:
@@ -117,10 +121,13 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         rope_local_theta=float(local_theta),
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if family == "gemma3" else None,
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
-        num_experts=cfg.get("num_experts", 0) if family == "qwen3_moe" else 0,
+        num_experts=(cfg.get("num_experts") or cfg.get("num_local_experts", 0))
+        if family == "qwen3_moe" else 0,
         experts_per_token=cfg.get("num_experts_per_tok", 0),
         moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
     )
 
 

@@ -99,7 +99,8 @@ class Linear:
                     True,
                 )
         dense = [
-            p.dequantize(compute_dtype) if isinstance(p, QuantizedWeight) else p.astype(compute_dtype)
+            p.dequantize(compute_dtype) if isinstance(p, QuantizedWeight)
+            else p.astype(compute_dtype)
             for p in parts
         ]
         return Linear(mx.concatenate(dense), compute_dtype, False)

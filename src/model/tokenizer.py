@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from slotserve.model.errors import ModelLoadError, UnsupportedModelError
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+
+from slotserve.model.errors import ModelLoadError, UnsupportedModelError
 
 log = structlog.get_logger(__name__)
 

@@ -89,8 +89,11 @@ class Model:
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         return self.embed(tokens)
 
-    def __call__(self, tokens: mx.array, batch: Batch, logit_rows: list[int]) -> mx.array:
-        """Run R token rows; return float32 logits for the rows in logit_rows."""
+    def __call__(self, tokens: mx.array, batch: Batch, logit_rows: list[int]) -> mx.array | None:
+        """Run R token rows; return float32 logits for the rows in logit_rows (None if empty).
+
+        Rows not in logit_rows still write their K/V into their slots.
+        """
         for seg in batch.segments:
             seg.kv.reserve(seg.start + seg.length)
         max_pos = max(s.start + s.length for s in batch.segments)
@@ -98,6 +101,8 @@ class Model:
         x = self.embed_tokens(batch.pad_tokens(tokens))
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, i, cos, sin)
+        if not logit_rows:
+            return None
         x = x[mx.array(logit_rows, dtype=mx.int32)]
         x = rms_norm(pad_rows(x), self.norm, self.config.rms_norm_eps)
         return self.lm_head(x)[: len(logit_rows)].astype(mx.float32)

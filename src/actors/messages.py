@@ -1,0 +1,130 @@
+"""Typed messages and the request/response records that flow between actors."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from slotserve.kernels.sampling import SamplingParams
+from slotserve.runtime.runner import Sampled
+
+
+@dataclass
+class GenerationRequest:
+    """A tokenized request, ready for admission."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_tokens: int = 0
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Delta:
+    """What a client receives: new text (possibly empty), then one final Delta."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    usage: Usage | None = None
+    error: str | None = None
+    ttft: float | None = None
+    seed: int | None = None
+
+
+# ---- Slot mailbox ---------------------------------------------------------------
+
+
+@dataclass
+class Assign:
+    request: GenerationRequest
+    session: object  # the Session actor that receives this request's tokens
+
+
+@dataclass
+class StepDone:
+    """The Batcher ran a step that fed `fed` tokens of this slot (epoch guards reuse)."""
+
+    epoch: int
+    fed: int
+    sampled: Sampled | None
+
+
+@dataclass
+class StepFailed:
+    epoch: int
+    error: str
+
+
+@dataclass
+class Cancel:
+    epoch: int
+    reason: str  # "cancelled" | "stop" | "shutdown"
+
+
+@dataclass
+class Resume:
+    """The session drained its mailbox: the slot may become ready again."""
+
+    epoch: int
+
+
+SlotMessage = Assign | StepDone | StepFailed | Cancel | Resume
+
+
+# ---- Batcher mailbox ------------------------------------------------------------
+
+
+@dataclass
+class Ready:
+    slot_id: int
+    epoch: int
+
+
+@dataclass
+class Parked:
+    """The slot handled its step result but waits (client slow, or finished)."""
+
+    slot_id: int
+
+
+BatcherMessage = Ready | Parked
+
+
+# ---- Session mailbox ------------------------------------------------------------
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class FinishEvent:
+    reason: str
+    usage: Usage
+    error: str | None = None
+
+
+SessionMessage = TokenEvent | FinishEvent

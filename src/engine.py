@@ -1,0 +1,300 @@
+"""The in-process engine: load a model, then stream generations from many tasks.
+
+    async with Engine.load(max_slots=8) as engine:
+        async for delta in engine.chat([{"role": "user", "content": "Hi"}]):
+            print(delta.text, end="")
+
+Inside: one Batcher actor, one Slot actor per KV slot, one Session actor per
+request, all in one anyio task group; MLX runs on a single dedicated thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import structlog
+
+from slotserve.actors.admission import Admission
+from slotserve.actors.batcher import Batcher
+from slotserve.actors.messages import Assign, Cancel, Delta, GenerationRequest, TokenLogprob, Usage
+from slotserve.actors.session import Session
+from slotserve.actors.slot import Slot
+from slotserve.kernels.sampling import SamplingParams
+from slotserve.model.chat_template import ChatTemplate
+from slotserve.model.loader import LoadedModel, load
+from slotserve.runtime.mlx_thread import MLXThread
+from slotserve.runtime.runner import ModelRunner
+
+log = structlog.get_logger("slotserve.engine")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path | None = None  # None: the bundled SmolLM2
+    device: str = "auto"
+    max_slots: int = 8
+    max_queue: int = 64
+    kv_budget_bytes: int | None = None  # None: 30% of RAM, at most 16 GiB
+    prefill_budget: int = 256  # tokens per tick, decode rows included
+    default_max_tokens: int | None = None  # None: up to the context length
+    shutdown_deadline: float = 30.0
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str
+    usage: Usage
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    ttft: float | None = None
+    error: str | None = None
+
+
+def default_kv_budget() -> int:
+    return int(min(psutil.virtual_memory().total * 0.3, 16 * 2**30))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.mlx: MLXThread | None = None
+        self.loaded: LoadedModel | None = None
+        self.template: ChatTemplate | None = None
+        self.batcher: Batcher | None = None
+        self.slots: list[Slot] = []
+        self.admission: Admission | None = None
+        self.sessions: dict[str, Session] = {}
+        self.ready = False
+        self.closing = False
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._ids = itertools.count()
+        self.started_at = time.time()
+        self.listeners: list[Callable[[str, Any], None]] = []
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, **kwargs: Any) -> Engine:
+        """Configure an engine; `async with` loads the model and starts the actors."""
+        return cls(EngineConfig(model=model, **kwargs))
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        cfg = self.config
+        self.mlx = MLXThread()
+        self.loaded = await self.mlx.run(lambda: load(cfg.model, device=cfg.device))
+        lm = self.loaded
+        self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
+        runner = ModelRunner(lm.model)
+        self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
+        for i in range(cfg.max_slots):
+            slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)
+            self.slots.append(slot)
+            self.batcher.slots[i] = slot
+        bpt = self.slots[0].kv.bytes_per_position
+        self.admission = Admission(
+            self.slots, max_queue=cfg.max_queue,
+            kv_budget=cfg.kv_budget_bytes or default_kv_budget(),
+            bytes_per_token=bpt, context_length=lm.config.max_position,
+        )
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self.batcher.run)
+        for slot in self.slots:
+            self._tg.start_soon(slot.run)
+        self.ready = True
+        log.info("engine ready", slots=cfg.max_slots, kv_budget=self.admission.kv_budget,
+                 bytes_per_token=bpt, context=lm.config.max_position, device=lm.device)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def shutdown(self, deadline: float | None = None) -> None:
+        """Stop admitting; let in-flight requests finish until the deadline, then end them."""
+        if self._tg is None:
+            return
+        self.closing = True
+        self.ready = False
+        adm = self.admission
+        assert adm is not None
+        for w in list(adm.queue):
+            adm.queue.remove(w)
+            sess = self.sessions.get(w.request.request_id)
+            if sess is not None:
+                sess.fail("error", "server shutting down")
+        limit = self.config.shutdown_deadline if deadline is None else deadline
+        with anyio.move_on_after(limit):
+            while any(s.busy for s in self.slots):
+                await anyio.sleep(0.02)
+        for s in self.slots:
+            if s.busy:
+                s.tell(Cancel(s.epoch, "shutdown"))
+        with anyio.move_on_after(2.0):
+            while self.sessions:
+                await anyio.sleep(0.02)
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        self._tg = None
+        if self.mlx is not None:
+            self.mlx.close()
+
+    # ---- requests --------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        assert self.loaded is not None
+        return self.loaded.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        assert self.loaded is not None
+        return self.loaded.config.max_position
+
+    def make_request(self, prompt_ids: list[int], *, max_tokens: int | None = None,
+                     stop: list[str] | None = None, logprobs: bool = False,
+                     top_logprobs: int = 0, ignore_eos: bool = False,
+                     **sampling: Any) -> GenerationRequest:
+        """Validate options and build a request (raises ValueError on bad input)."""
+        params = SamplingParams(**sampling)
+        params.validate(self.tokenizer.vocab_size)
+        if max_tokens is None:
+            cap = self.config.default_max_tokens or self.context_length
+            max_tokens = max(1, min(cap, self.context_length - len(prompt_ids)))
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        return GenerationRequest(
+            request_id=f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            prompt_ids=list(prompt_ids), max_tokens=max_tokens, params=params,
+            stop=list(stop or []),
+            stop_ids=frozenset() if ignore_eos else self.tokenizer.stop_ids,
+            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
+        )
+
+    def submit(self, request: GenerationRequest) -> Session:
+        """Admit or queue a request; raises OverloadedError or AdmissionError at once."""
+        if self.closing or self._tg is None:
+            raise EngineClosedError("the engine is shutting down")
+        adm = self.admission
+        assert adm is not None and self._tg is not None
+        session = Session(request, self.tokenizer)
+        self.sessions[request.request_id] = session
+        self._tg.start_soon(self._run_session, session)
+
+        def place(slot: Slot) -> None:
+            epoch = slot.reserve()
+            session.bind(slot, epoch)
+            slot.tell(Assign(request, session))
+
+        try:
+            adm.submit(request, place)
+        except Exception:
+            session.fail("error", None)
+            self.sessions.pop(request.request_id, None)
+            raise
+        return session
+
+    async def _run_session(self, session: Session) -> None:
+        try:
+            await session.run()
+        finally:
+            self.sessions.pop(session.request.request_id, None)
+
+    def _slot_finished(self, slot: Slot, reason: str) -> None:
+        assert self.admission is not None
+        self.admission.release(slot)
+        for fn in self.listeners:
+            fn("finished", reason)
+
+    def cancel(self, session: Session) -> None:
+        """Cancel a request wherever it is (queued or running)."""
+        adm = self.admission
+        assert adm is not None
+        if session.slot is None:
+            if adm.withdraw(session.request.request_id):
+                session.fail("cancelled", None)
+            return
+        session.cancel()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Stream a request's Deltas; leaving the loop early cancels the request."""
+        session = self.submit(request)
+        finished = False
+        try:
+            async with session.client:
+                async for delta in session.client:
+                    if delta.finish_reason is not None:
+                        finished = True
+                    yield delta
+                    if finished:
+                        return
+        finally:
+            if not finished:
+                self.cancel(session)
+
+    # ---- conveniences ----------------------------------------------------------
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
+                    **extra: Any) -> list[int]:
+        assert self.template is not None
+        text = self.template.render(messages, tools=tools, add_generation_prompt=True, **extra)
+        return self.tokenizer.encode(text, add_special=True)
+
+    async def chat(self, messages: list[dict[str, Any]], *, tools: list[Any] | None = None,
+                   **options: Any) -> AsyncIterator[Delta]:
+        ids = self.render_chat(messages, tools)
+        async for d in self.generate(self.make_request(ids, **options)):
+            yield d
+
+    async def complete(self, prompt: str | list[int], **options: Any) -> Completion:
+        """Generate to the end and return the whole completion."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return await self.collect(self.generate(self.make_request(ids, **options)))
+
+    async def chat_complete(self, messages: list[dict[str, Any]], **options: Any) -> Completion:
+        return await self.collect(self.chat(messages, **options))
+
+    @staticmethod
+    async def collect(stream: AsyncIterator[Delta]) -> Completion:
+        parts: list[str] = []
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        last = Delta()
+        async for d in stream:
+            parts.append(d.text)
+            ids.extend(d.token_ids)
+            lps.extend(d.logprobs)
+            last = d
+        return Completion("".join(parts), last.finish_reason or "error",
+                          last.usage or Usage(), ids, lps, last.ttft, last.error)
+
+    # ---- introspection -----------------------------------------------------------
+
+    def slot_states(self) -> list[dict[str, Any]]:
+        return [
+            {"id": s.id, "busy": s.busy, "parked": s.parked, "resident_tokens": len(s.ledger),
+             "kv_bytes": s.kv.nbytes, "generated": s.generated,
+             "idle_seconds": None if s.busy or not s.last_used
+             else round(time.monotonic() - s.last_used, 3)}
+            for s in self.slots
+        ]
+
+    def kv_summary(self) -> dict[str, int]:
+        adm = self.admission
+        assert adm is not None
+        return {"used": adm.used_bytes, "busy": adm.busy_bytes, "budget": adm.kv_budget,
+                "queued": len(adm.queue), "running": sum(s.busy for s in self.slots)}
