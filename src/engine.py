@@ -10,6 +10,7 @@ request, all in one anyio task group; MLX runs on a single dedicated thread.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import uuid
@@ -83,6 +84,7 @@ class Engine:
         self._ids = itertools.count()
         self.started_at = time.time()
         self.listeners: list[Callable[[str, Any], None]] = []
+        self.progress: Callable[[int, int], None] | None = None  # load progress callback
 
     @classmethod
     def load(cls, model: str | Path | None = None, **kwargs: Any) -> Engine:
@@ -94,7 +96,10 @@ class Engine:
     async def __aenter__(self) -> Engine:
         cfg = self.config
         self.mlx = MLXThread()
-        self.loaded = await self.mlx.run(lambda: load(cfg.model, device=cfg.device))
+        rows = max(cfg.prefill_budget, cfg.max_slots)
+        self.loaded = await self.mlx.run(
+            lambda: load(cfg.model, device=cfg.device, probe_rows=rows, progress=self.progress)
+        )
         lm = self.loaded
         self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
         runner = ModelRunner(lm.model)
@@ -109,11 +114,10 @@ class Engine:
             kv_budget=cfg.kv_budget_bytes or default_kv_budget(),
             bytes_per_token=bpt, context_length=lm.config.max_position,
         )
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self.batcher.run)
-        for slot in self.slots:
-            self._tg.start_soon(slot.run)
+        self._stop = anyio.Event()
+        started = anyio.Event()
+        self._host_task = asyncio.get_running_loop().create_task(self._host(started))
+        await started.wait()
         self.ready = True
         log.info("engine ready", slots=cfg.max_slots, kv_budget=self.admission.kv_budget,
                  bytes_per_token=bpt, context=lm.config.max_position, device=lm.device)
@@ -121,6 +125,19 @@ class Engine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+    async def _host(self, started: anyio.Event) -> None:
+        """Own the actors' task group in one long-lived task, whoever starts or stops us."""
+        assert self.batcher is not None
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self.batcher.run)
+            for slot in self.slots:
+                tg.start_soon(slot.run)
+            started.set()
+            await self._stop.wait()
+            tg.cancel_scope.cancel()
+        self._tg = None
 
     async def shutdown(self, deadline: float | None = None) -> None:
         """Stop admitting; let in-flight requests finish until the deadline, then end them."""
@@ -145,9 +162,8 @@ class Engine:
         with anyio.move_on_after(2.0):
             while self.sessions:
                 await anyio.sleep(0.02)
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        self._tg = None
+        self._stop.set()
+        await self._host_task
         if self.mlx is not None:
             self.mlx.close()
 
@@ -192,20 +208,15 @@ class Engine:
         adm = self.admission
         assert adm is not None and self._tg is not None
         session = Session(request, self.tokenizer)
-        self.sessions[request.request_id] = session
-        self._tg.start_soon(self._run_session, session)
 
         def place(slot: Slot) -> None:
             epoch = slot.reserve()
             session.bind(slot, epoch)
             slot.tell(Assign(request, session))
 
-        try:
-            adm.submit(request, place)
-        except Exception:
-            session.fail("error", None)
-            self.sessions.pop(request.request_id, None)
-            raise
+        adm.submit(request, place)  # raises before anything is started for this request
+        self.sessions[request.request_id] = session
+        self._tg.start_soon(self._run_session, session)
         return session
 
     async def _run_session(self, session: Session) -> None:
@@ -283,6 +294,15 @@ class Engine:
                           last.usage or Usage(), ids, lps, last.ttft, last.error)
 
     # ---- introspection -----------------------------------------------------------
+
+    def drop_retained(self) -> int:
+        """Evict every idle slot's retained KV (forces cold prefills); returns bytes freed."""
+        freed = 0
+        for s in self.slots:
+            if not s.busy and not s.in_flight and s.kv.nbytes:
+                freed += s.kv.nbytes
+                s.evict()
+        return freed
 
     def slot_states(self) -> list[dict[str, Any]]:
         return [

@@ -119,6 +119,12 @@ class Session(Actor[SessionMessage]):
                 self.slot.tell(Cancel(self.epoch, "cancelled"))
             self.close()
 
+    def on_crash(self, msg: SessionMessage, exc: Exception) -> None:
+        """This request fails with an error; its slot is freed; peers never notice."""
+        if self.slot is not None:
+            self.slot.tell(Cancel(self.epoch, "cancelled"))
+        self.fail("error", f"internal error in session: {exc}")
+
     def fail(self, reason: str, error: str | None) -> None:
         """Finish a request that never reached a slot (rejected or cancelled in queue)."""
         if self.finished:

@@ -75,6 +75,7 @@ class LoadedModel:
     path: Path
     device: str
     load_seconds: float
+    invariance: Any = None  # slotserve.kernels.invariance.ProbeReport
 
 
 def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
@@ -133,8 +134,12 @@ def eval_model(model: Any) -> None:
 
 
 def load(path: str | Path | None = None, device: str = "auto", with_tokenizer: bool = True,
-         progress: Any = None) -> LoadedModel:
-    """Load a model; `progress(done, total)` is called while weights materialize."""
+         progress: Any = None, probe_rows: int | None = 256) -> LoadedModel:
+    """Load a model; `progress(done, total)` is called while weights materialize.
+
+    `probe_rows`: run the batch-invariance probe for row batches up to this size
+    (None skips it, e.g. for one-off tools that never batch).
+    """
     t0 = time.perf_counter()
     p = Path(path) if path else default_model_path()
     dev = pick_device(device)
@@ -148,6 +153,11 @@ def load(path: str | Path | None = None, device: str = "auto", with_tokenizer: b
         if progress is not None:
             progress(i + 1, cfg.num_layers)
     eval_model(model)
+    report = None
+    if probe_rows:
+        from slotserve.kernels.invariance import probe_model
+
+        report = probe_model(model, probe_rows)
     tok = None
     if with_tokenizer:
         from slotserve.model.tokenizer import Tokenizer
@@ -155,4 +165,4 @@ def load(path: str | Path | None = None, device: str = "auto", with_tokenizer: b
         tok = Tokenizer.from_gguf_metadata(meta, str(p)) if meta else Tokenizer.from_hf_dir(p)
     secs = time.perf_counter() - t0
     log.info("model loaded", path=str(p), family=cfg.family, device=dev, seconds=round(secs, 2))
-    return LoadedModel(model, cfg, tok, p, dev, secs)
+    return LoadedModel(model, cfg, tok, p, dev, secs, report)

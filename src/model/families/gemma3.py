@@ -31,7 +31,6 @@ class GemmaNorm:
         return mx.fast.rms_norm(x.astype(mx.float32), self.scale, self.eps).astype(x.dtype)
 
 
-@mx.compile
 def gelu_tanh(x: mx.array) -> mx.array:
     """HF's gelu_pytorch_tanh."""
     return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))

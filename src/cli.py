@@ -1,0 +1,153 @@
+"""`slotserve` command line: generate, serve, bench, export."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+import slotserve  # noqa: F401  (loads OpenBLAS before MLX)
+
+
+def configure_logging(fmt: str = "console", level: str = "info") -> None:
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info if fmt == "json"
+            else structlog.processors.StackInfoRenderer(),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+def _progress(done: int, total: int) -> None:
+    width = 30
+    fill = width * done // max(total, 1)
+    sys.stderr.write(f"\rloading model [{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+    if done >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import anyio
+
+    from slotserve.engine import Engine
+
+    async def main() -> int:
+        engine = Engine.load(args.model, max_slots=1, device=args.device)
+        engine.progress = _progress if sys.stderr.isatty() else None
+        async with engine:
+            opts: dict[str, Any] = {"max_tokens": args.max_tokens,
+                                    "temperature": args.temperature}
+            if args.seed is not None:
+                opts["seed"] = args.seed
+            if args.raw:
+                ids = engine.tokenizer.encode(args.prompt)
+                stream = engine.generate(engine.make_request(ids, **opts))
+            else:
+                messages = [{"role": "user", "content": args.prompt}]
+                if args.system:
+                    messages.insert(0, {"role": "system", "content": args.system})
+                stream = engine.chat(messages, **opts)
+            async for delta in stream:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                if delta.finish_reason is not None:
+                    sys.stdout.write("\n")
+                    if delta.error:
+                        sys.stderr.write(f"error: {delta.error}\n")
+                        return 1
+        return 0
+
+    return anyio.run(main)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from slotserve.api.server import main as serve_main
+
+    return serve_main(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from slotserve.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slotserve", description=__doc__)
+    p.add_argument("--log-format", choices=["console", "json"], default="console")
+    p.add_argument("--log-level", default="warning")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion to stdout")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    g.add_argument("--chat", action="store_true", default=True,
+                   help="apply the model's chat template (the default)")
+    g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    g.add_argument("--system", default=None, help="system prompt for --chat")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--model", default=None)
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-slots", type=int, default=8)
+    s.add_argument("--max-queue", type=int, default=64)
+    s.add_argument("--kv-budget", default=None,
+                   help="KV cache budget, bytes or with a unit (e.g. 2GiB, 512MiB)")
+    s.add_argument("--prefill-budget", type=int, default=256)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.set_defaults(fn=cmd_serve)
+
+    b = sub.add_parser("bench", help="in-process throughput/latency benchmark")
+    b.add_argument("--model", default=None)
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    b.add_argument("--streams", default="1,2,4,8,16,32")
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--prompt-tokens", type=int, default=64)
+    b.add_argument("--single", action="store_true",
+                   help="single-stream numbers only: decode, 512-token prefill, RSS, load")
+    b.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """'2GiB' -> 2147483648; plain integers are bytes."""
+    if text is None:
+        return None
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Start-up probe: find the row count from which matmuls stop depending on it.
+
+Batch invariance (a request's tokens do not depend on who shares its step) rests
+on one property of the BLAS: a row's result must not depend on how many rows the
+matmul has. That holds on some machines for every row count and on others only
+above a threshold (OpenBLAS takes small-matrix or GEMV paths for few rows, and
+the threshold depends on the matrix shape). The probe measures it for each
+weight shape of the loaded model and for the attention kernel, and the model
+pads every row batch to that floor. It takes well under a second on small models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import structlog
+
+from slotserve.kernels import attention
+from slotserve.kernels.attention import AttentionPlan, block_attention
+
+log = structlog.get_logger("slotserve.invariance")
+
+FLOORS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class ProbeReport:
+    linear_floor: int
+    attention_floor: int
+    invariant: bool
+    failures: list[str] = field(default_factory=list)
+
+
+def _row_counts(limit: int) -> list[int]:
+    small = list(range(1, min(limit, 20) + 1))
+    big = [24, 32, 33, 48, 64, 75, 96, 128, 160, 192, 256]
+    return sorted({m for m in small + big if m <= limit})
+
+
+def linear_floor(fn: Any, in_dim: int, dtype: mx.Dtype, max_rows: int) -> int | None:
+    """Smallest floor f so that fn(x[:m]) rows equal fn(x) rows for every m >= f."""
+    x = mx.random.normal((max_rows, in_dim), key=mx.random.key(7)).astype(dtype)
+    ref = fn(x)
+    mx.eval(ref)
+    bad = [m for m in _row_counts(max_rows) if not mx.array_equal(fn(x[:m]), ref[:m]).item()]
+    if not bad:
+        return 1
+    floor = next((f for f in FLOORS if f > max(bad)), None)
+    return floor if floor is not None and floor <= max_rows else None
+
+
+def attention_invariant(group: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
+    """Decode rows must equal the same positions inside prefill chunks, bit for bit."""
+    cap = 3 * attention.BLOCK
+    k = mx.random.normal((kv_heads, cap, head_dim), key=mx.random.key(1)).astype(dtype)
+    v = mx.random.normal((kv_heads, cap, head_dim), key=mx.random.key(2)).astype(dtype)
+    q = mx.random.normal((cap, kv_heads * group, head_dim), key=mx.random.key(3)).astype(dtype)
+    scale = head_dim**-0.5
+    for pos in (0, 5, attention.BLOCK - 1, attention.BLOCK + 3, cap - 1):
+        one = block_attention(q[pos : pos + 1], k, v, AttentionPlan.build(pos, 1), scale)
+        for start in {0, max(0, pos - 7), pos}:
+            n = min(cap - start, max(pos - start + 1, 40))
+            many = block_attention(q[start : start + n], k, v, AttentionPlan.build(start, n),
+                                   scale)
+            if not mx.array_equal(many[pos - start], one[0]).item():
+                return False
+    return True
+
+
+def probe_model(model: Any, max_rows: int) -> ProbeReport:
+    """Measure floors for every distinct linear shape of `model`; set them globally."""
+    from slotserve.model import layers
+
+    cfg = model.config
+    seen: dict[tuple[int, ...], Any] = {}
+    for lin in _linears(model):
+        shape = lin.q.shape if lin.q is not None else tuple(lin.w.shape)
+        seen.setdefault(shape, lin)
+    failures: list[str] = []
+    floor = 1
+    for shape, lin in seen.items():
+        rows = max_rows if shape[0] < 32768 else min(max_rows, 64)  # lm_head: logit rows only
+        f = linear_floor(lin, shape[1], model.dtype, rows)
+        if f is None:
+            failures.append(f"linear {shape}: row results vary at every row count up to {rows}")
+        else:
+            floor = max(floor, f)
+    group = cfg.num_heads // cfg.num_kv_heads
+    attn_ok = False
+    original = attention.ROW_FLOOR
+    for f in (original, 32, 64, 128):
+        attention.ROW_FLOOR = f
+        if attention_invariant(group, cfg.num_kv_heads, cfg.head_dim, model.dtype):
+            attn_ok = True
+            break
+    if not attn_ok:
+        attention.ROW_FLOOR = original
+        failures.append("attention: decode rows differ from prefill rows at every floor tried")
+    layers.LINEAR_ROW_FLOOR = floor
+    report = ProbeReport(floor, attention.ROW_FLOOR, not failures, failures)
+    if failures:
+        log.warning("batch invariance NOT guaranteed on this machine", failures=failures)
+    else:
+        log.info("batch invariance probe passed", linear_row_floor=floor,
+                 attention_row_floor=attention.ROW_FLOOR, shapes=len(seen))
+    return report
+
+
+def _linears(model: Any) -> list[Any]:
+    from slotserve.model.layers import Linear
+
+    found: list[Any] = []
+    seen_ids: set[int] = set()
+
+    def walk(obj: Any, depth: int) -> None:
+        if id(obj) in seen_ids or depth > 6:
+            return
+        seen_ids.add(id(obj))
+        if isinstance(obj, Linear):
+            found.append(obj)
+        elif isinstance(obj, list | tuple):
+            for o in obj:
+                walk(o, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, mx.array):
+            for v in vars(obj).values():
+                walk(v, depth + 1)
+
+    walk(model, 0)
+    return found

@@ -1,0 +1,32 @@
+"""Run an Engine on a background event loop so plain (sync) tests can share one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from slotserve.engine import Engine
+
+T = TypeVar("T")
+
+
+class EngineHarness:
+    def __init__(self, model: Any = None, **config: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.engine = Engine.load(model, **config)
+        self.call(self.engine.__aenter__)
+
+    def call(self, fn: Callable[[], Awaitable[T]], timeout: float = 600) -> T:
+        async def wrapper() -> T:
+            return await fn()
+
+        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.call(lambda: self.engine.__aexit__(None, None, None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
