@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from slotserve.kernels.attention import ROW_FLOOR
+ROW_FLOOR = 16
 from slotserve.model import layers
 from slotserve.model.chat_template import ChatTemplate
 from slotserve.model.layers import Batch

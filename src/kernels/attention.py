@@ -1,89 +1,126 @@
 """Causal attention whose result for a query row never depends on its batch.
 
 A query at position p must get bit-identical output whether it is a decode row
-(one query) or one row of a prefill chunk, and whatever the slot's KV capacity.
-BLAS picks different code paths by matrix shape, so the construction is:
+(batched with other slots' decode rows) or one row of a prefill chunk, and
+whatever the slot's KV capacity. BLAS picks kernels by matrix shape, so:
 
-* Q·K^T has a fixed reduction length (head_dim); only its row count varies, and
-  rows are padded to at least ROW_FLOOR so small row counts take the same kernel.
+* Q·K^T runs per (slot, kv head) with the query rows on the row axis: the GQA
+  group for a decode token, group x tokens for a prefill chunk. Row counts under
+  ROW_FLOOR take other BLAS kernels, so they are padded up to it; the reduction
+  (head_dim) is fixed, and the key span only changes N, which leaves columns alone.
 * Keys run from position 0 to a span rounded up to BLOCK; positions a query may
   not see get -inf and so add exact zeros to the max, the exponent sum and P·V.
-* P·V is cut into blocks of BLOCK keys at fixed absolute offsets, so every matmul
-  has the same reduction length; block results are summed one after another.
+* P·V is cut into blocks of BLOCK keys at fixed absolute offsets, so every GEMM
+  has the same reduction length; the blocks are summed one after another.
 
-The start-up probe (slotserve.kernels.invariance) checks this on the machine.
+Decode rows of many slots run as one batched dispatch (their K/V stacked per key
+span); a prefill chunk attends over its own slot's cache. The start-up probe
+(slotserve.kernels.invariance) checks all of this on the machine it runs on.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 BLOCK = 128
 ROW_FLOOR = 16
+LOG2E = 1.4426950408889634
+
+
+def span_for(end: int) -> int:
+    """Key positions attention reads for queries up to position end-1."""
+    return -(-end // BLOCK) * BLOCK
+
+
+def causal_bias(start: int, tokens: int, span: int, window: int | None = None) -> mx.array:
+    """[tokens, span] additive mask: 0 where a query may look, -inf elsewhere."""
+    qpos = mx.arange(start, start + tokens, dtype=mx.int32)[:, None]
+    kpos = mx.arange(span, dtype=mx.int32)[None, :]
+    keep = kpos <= qpos
+    if window is not None:
+        keep = keep & (kpos > qpos - window)
+    return mx.where(keep, 0.0, -mx.inf).astype(mx.float32)
 
 
 @dataclass
 class AttentionPlan:
-    """Per-segment masks shared by all layers of one step."""
+    """One segment's (or one decode group's) masks, shared by all layers of a step."""
 
     start: int
     tokens: int
     span: int
-    full_bias: mx.array  # [tokens, span]: 0 where visible, -inf elsewhere
-    window_biases: dict[int, mx.array]
+    biases: dict[int | None, mx.array] = field(default_factory=dict)
+    row_biases: dict[tuple[int | None, int], mx.array] = field(default_factory=dict)
 
     @staticmethod
     def build(start: int, tokens: int) -> AttentionPlan:
-        span = -(-(start + tokens) // BLOCK) * BLOCK
-        qpos = mx.arange(start, start + tokens, dtype=mx.int32)[:, None]
-        kpos = mx.arange(span, dtype=mx.int32)[None, :]
-        bias = mx.where(kpos <= qpos, 0.0, -mx.inf).astype(mx.float32)
-        return AttentionPlan(start, tokens, span, bias, {})
+        return AttentionPlan(start, tokens, span_for(start + tokens))
 
     def bias(self, window: int | None) -> mx.array:
-        if window is None:
-            return self.full_bias
-        if window not in self.window_biases:
-            qpos = mx.arange(self.start, self.start + self.tokens, dtype=mx.int32)[:, None]
-            kpos = mx.arange(self.span, dtype=mx.int32)[None, :]
-            keep = (kpos <= qpos) & (kpos > qpos - window)
-            self.window_biases[window] = mx.where(keep, 0.0, -mx.inf).astype(mx.float32)
-        return self.window_biases[window]
+        if window not in self.biases:
+            self.biases[window] = causal_bias(self.start, self.tokens, self.span, window)
+        return self.biases[window]
+
+    def row_bias(self, window: int | None, group: int) -> mx.array:
+        """The mask repeated for each GQA group member: [tokens * group, span]."""
+        key = (window, group)
+        if key not in self.row_biases:
+            self.row_biases[key] = mx.repeat(self.bias(window), group, axis=0)
+        return self.row_biases[key]
 
 
-def padded_rows(rows: int) -> int:
-    return max(rows, ROW_FLOOR)
+def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, bias: mx.array,
+                      scale: float) -> mx.array:
+    """Attention for M query rows per (slot, kv head).
 
-
-def block_attention(q: mx.array, keys: mx.array, values: mx.array, plan: AttentionPlan,
-                    scale: float, window: int | None = None) -> mx.array:
-    """Attend T queries (positions plan.start..) to the cached keys 0..start+T-1.
-
-    q: [T, Hq, D]; keys/values: [Hkv, capacity, D], capacity >= plan.span, already
-    holding this chunk's keys. `window` limits each query to the last `window`
-    positions (sliding-window layers). Returns [T, Hq, D].
+    qh: [S, Hkv, M, D]; keys/values: [S, Hkv, span, D] (span a multiple of BLOCK);
+    bias: [S, M, span] additive mask. Returns [S, Hkv, M, D].
     """
+    s_, hkv, m, d = qh.shape
+    span = keys.shape[2]
+    nb = span // BLOCK
+    # scores in log2 units: exp2 is cheaper than exp on CPU and the mask stays -inf
+    qh = qh * (scale * LOG2E)
+    if m < ROW_FLOOR:
+        qh = mx.concatenate([qh, mx.zeros((s_, hkv, ROW_FLOOR - m, d), qh.dtype)], axis=2)
+    scores = qh @ keys.swapaxes(-1, -2)
+    if m < ROW_FLOOR:
+        scores = scores[:, :, :m]
+    scores = scores.astype(mx.float32) + bias[:, None]
+    probs = mx.power(2.0, scores - scores.max(axis=-1, keepdims=True))
+    denom = probs.sum(axis=-1)  # [S, hkv, m]
+    pb = probs.astype(values.dtype).reshape(s_, hkv, m, nb, BLOCK).transpose(0, 1, 3, 2, 4)
+    vb = values.reshape(s_, hkv, nb, BLOCK, d)
+    out = (pb @ vb).sum(axis=2)  # [S, hkv, m, d]
+    return out / denom[..., None].astype(out.dtype)
+
+
+def decode_attention(q: mx.array, keys: mx.array, values: mx.array, bias: mx.array,
+                     scale: float) -> mx.array:
+    """One decode token per slot. q: [S, Hq, D]; keys/values: [S, Hkv, span, D]; bias [S, span]."""
+    s_, hq, d = q.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    qh = q.reshape(s_, hkv, group, d)
+    out = grouped_attention(qh, keys, values, bias[:, None, :], scale)
+    return out.reshape(s_, hq, d)
+
+
+def segment_attention(q: mx.array, keys: mx.array, values: mx.array, plan: AttentionPlan,
+                      scale: float, window: int | None = None) -> mx.array:
+    """One slot's T query tokens (positions plan.start..) over its cache [Hkv, cap, D]."""
     t, hq, d = q.shape
     hkv = keys.shape[0]
     group = hq // hkv
-    rows = t * group
-    span, nb = plan.span, plan.span // BLOCK
-    # rows ordered (token, group member) so the real rows come first after padding
-    qh = (q * scale).reshape(t, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows, d)
-    if padded_rows(rows) > rows:
-        qh = mx.concatenate([qh, mx.zeros((hkv, padded_rows(rows) - rows, d), qh.dtype)], axis=1)
-    scores = (qh @ keys[:, :span].swapaxes(-1, -2))[:, :rows].astype(mx.float32)
-    bias = mx.repeat(plan.bias(window), group, axis=0)  # [rows, span]
-    scores = scores + bias
-    probs = mx.exp(scores - scores.max(axis=-1, keepdims=True))
-    denom = probs.sum(axis=-1)  # [hkv, rows]
-    pb = probs.astype(values.dtype).reshape(hkv, rows, nb, BLOCK).swapaxes(1, 2)
-    out = (pb @ values[:, :span].reshape(hkv, nb, BLOCK, d)).sum(axis=1)  # [hkv, rows, d]
-    out = (out / denom[..., None].astype(out.dtype)).reshape(hkv, t, group, d)
-    return out.transpose(1, 0, 2, 3).reshape(t, hq, d)
+    span = plan.span
+    # rows token-major within each kv head: row = token * group + member
+    qh = q.reshape(t, hkv, group, d).transpose(1, 0, 2, 3).reshape(1, hkv, t * group, d)
+    bias = plan.row_bias(window, group)
+    out = grouped_attention(qh, keys[None, :, :span], values[None, :, :span], bias[None], scale)
+    return out.reshape(hkv, t, group, d).transpose(1, 0, 2, 3).reshape(t, hq, d)
 
 
 def reference_attention(q: mx.array, keys: mx.array, values: mx.array, start: int,

@@ -18,7 +18,7 @@ import mlx.core as mx
 import structlog
 
 from slotserve.kernels import attention
-from slotserve.kernels.attention import AttentionPlan, block_attention
+from slotserve.kernels.attention import AttentionPlan, decode_attention, segment_attention
 
 log = structlog.get_logger("slotserve.invariance")
 
@@ -28,7 +28,6 @@ FLOORS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 @dataclass
 class ProbeReport:
     linear_floor: int
-    attention_floor: int
     invariant: bool
     failures: list[str] = field(default_factory=list)
 
@@ -52,18 +51,28 @@ def linear_floor(fn: Any, in_dim: int, dtype: mx.Dtype, max_rows: int) -> int | 
 
 
 def attention_invariant(group: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
-    """Decode rows must equal the same positions inside prefill chunks, bit for bit."""
+    """Decode rows (alone or batched) must equal the same positions in prefill chunks."""
     cap = 3 * attention.BLOCK
     k = mx.random.normal((kv_heads, cap, head_dim), key=mx.random.key(1)).astype(dtype)
     v = mx.random.normal((kv_heads, cap, head_dim), key=mx.random.key(2)).astype(dtype)
     q = mx.random.normal((cap, kv_heads * group, head_dim), key=mx.random.key(3)).astype(dtype)
+    other_k = mx.random.normal((5, kv_heads, cap, head_dim), key=mx.random.key(4)).astype(dtype)
     scale = head_dim**-0.5
     for pos in (0, 5, attention.BLOCK - 1, attention.BLOCK + 3, cap - 1):
-        one = block_attention(q[pos : pos + 1], k, v, AttentionPlan.build(pos, 1), scale)
+        one = segment_attention(q[pos : pos + 1], k, v, AttentionPlan.build(pos, 1), scale)
+        plan = AttentionPlan.build(pos, 1)
+        span = plan.span
+        keys = mx.concatenate([other_k[:, :, :span], k[None, :, :span]])
+        values = mx.concatenate([other_k[:, :, :span], v[None, :, :span]])
+        qs = mx.concatenate([q[:5], q[pos : pos + 1]])
+        bias = mx.concatenate([mx.zeros((5, span)), plan.bias(None)])
+        batched = decode_attention(qs, keys, values, bias, scale)[5]
+        if not mx.array_equal(batched, one[0]).item():
+            return False
         for start in {0, max(0, pos - 7), pos}:
             n = min(cap - start, max(pos - start + 1, 40))
-            many = block_attention(q[start : start + n], k, v, AttentionPlan.build(start, n),
-                                   scale)
+            many = segment_attention(q[start : start + n], k, v, AttentionPlan.build(start, n),
+                                     scale)
             if not mx.array_equal(many[pos - start], one[0]).item():
                 return False
     return True
@@ -88,23 +97,14 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
         else:
             floor = max(floor, f)
     group = cfg.num_heads // cfg.num_kv_heads
-    attn_ok = False
-    original = attention.ROW_FLOOR
-    for f in (original, 32, 64, 128):
-        attention.ROW_FLOOR = f
-        if attention_invariant(group, cfg.num_kv_heads, cfg.head_dim, model.dtype):
-            attn_ok = True
-            break
-    if not attn_ok:
-        attention.ROW_FLOOR = original
-        failures.append("attention: decode rows differ from prefill rows at every floor tried")
+    if not attention_invariant(group, cfg.num_kv_heads, cfg.head_dim, model.dtype):
+        failures.append("attention: decode rows differ from the same rows in prefill chunks")
     layers.LINEAR_ROW_FLOOR = floor
-    report = ProbeReport(floor, attention.ROW_FLOOR, not failures, failures)
+    report = ProbeReport(floor, not failures, failures)
     if failures:
         log.warning("batch invariance NOT guaranteed on this machine", failures=failures)
     else:
-        log.info("batch invariance probe passed", linear_row_floor=floor,
-                 attention_row_floor=attention.ROW_FLOOR, shapes=len(seen))
+        log.info("batch invariance probe passed", linear_row_floor=floor, shapes=len(seen))
     return report
 
 

@@ -9,12 +9,18 @@ and at which absolute positions, so projections and MLPs run once over all rows
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from slotserve.kernels.attention import AttentionPlan, block_attention
+from slotserve.kernels.attention import (
+    AttentionPlan,
+    causal_bias,
+    decode_attention,
+    segment_attention,
+    span_for,
+)
 from slotserve.model.kv import SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -38,9 +44,30 @@ class Segment:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows (one token each) of slots whose keys span the same length."""
+
+    span: int
+    segments: list[Segment]
+    rows: mx.array  # [n] batch row of each member
+    starts: list[int]
+    biases: dict[int | None, mx.array] = field(default_factory=dict)
+
+    def bias(self, window: int | None) -> mx.array:
+        if window not in self.biases:
+            self.biases[window] = mx.concatenate(
+                [causal_bias(p, 1, self.span, window) for p in self.starts]
+            )
+        return self.biases[window]
+
+
+@dataclass
 class Batch:
     segments: list[Segment]
-    positions: mx.array  # [R] int32 absolute position per row
+    positions: mx.array  # [R] int32 absolute position per row (padded)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefill: list[Segment] = field(default_factory=list)
+    order: mx.array | None = None  # puts attention outputs back in row order
 
     @staticmethod
     def build(parts: list[tuple[SlotKV, int, int]]) -> Batch:
@@ -52,7 +79,33 @@ class Batch:
             pos.extend(range(start, start + length))
             row += length
         pos.extend([0] * (LINEAR_ROW_FLOOR - len(pos)))  # padding rows (discarded)
-        return Batch(segs, mx.array(pos, dtype=mx.int32))
+        batch = Batch(segs, mx.array(pos, dtype=mx.int32))
+        batch._group()
+        return batch
+
+    def _group(self) -> None:
+        by_span: dict[int, list[Segment]] = {}
+        for seg in self.segments:
+            if seg.length == 1:
+                by_span.setdefault(span_for(seg.start + 1), []).append(seg)
+            else:
+                self.prefill.append(seg)
+        emitted: list[int] = []
+        for span, members in sorted(by_span.items()):
+            rows = [m.row for m in members]
+            emitted.extend(rows)
+            self.decode_groups.append(
+                DecodeGroup(span, members, mx.array(rows, dtype=mx.int32),
+                            [m.start for m in members])
+            )
+        for seg in self.prefill:
+            emitted.extend(range(seg.row, seg.row + seg.length))
+        emitted.extend(range(self.rows, self.padded_rows))
+        if emitted != list(range(len(emitted))):
+            inverse = [0] * len(emitted)
+            for i, r in enumerate(emitted):
+                inverse[r] = i
+            self.order = mx.array(inverse, dtype=mx.int32)
 
     @property
     def rows(self) -> int:
@@ -196,18 +249,33 @@ class Rope:
 
 def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scale: float,
            window: int | None = None) -> mx.array:
-    """Write each segment's new K/V into its slot and attend; q/k/v: [R, heads, D]."""
-    outs = []
+    """Write every segment's new K/V into its slot, then attend; q/k/v: [R, heads, D].
+
+    All decode rows of one key span go through one batched dispatch (their slots'
+    K/V stacked); each prefill chunk attends over its own slot's cache.
+    """
+    caches = {}
     for seg in batch.segments:
         rows = slice(seg.row, seg.row + seg.length)
-        keys, values = seg.kv.write(
+        caches[id(seg)] = seg.kv.write(
             layer, seg.start, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2)
         )
-        outs.append(block_attention(q[rows], keys, values, seg.attention_plan(), scale, window))
+    outs = []
+    for group in batch.decode_groups:
+        span = group.span
+        keys = mx.stack([caches[id(s)][0][:, :span] for s in group.segments])
+        values = mx.stack([caches[id(s)][1][:, :span] for s in group.segments])
+        outs.append(decode_attention(q[group.rows], keys, values, group.bias(window), scale))
+    for seg in batch.prefill:
+        keys, values = caches[id(seg)]
+        rows = slice(seg.row, seg.row + seg.length)
+        outs.append(segment_attention(q[rows], keys, values, seg.attention_plan(), scale,
+                                      window))
     extra = q.shape[0] - batch.rows
     if extra:
         outs.append(mx.zeros((extra, *q.shape[1:]), dtype=q.dtype))
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return out if batch.order is None else out[batch.order]
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:

@@ -1,0 +1,229 @@
+"""`slotserve bench`: in-process throughput and latency of the engine.
+
+Single-stream mode (`--single`) measures load time, decode tok/s through the engine
+and through a plain single-sequence loop over the same model code, prefill tok/s
+on a 512-token prompt, and peak RSS. Concurrency mode drives N streams of distinct
+prompts (greedy, fixed length via ignore_eos) and reports aggregate tok/s, TTFT
+and inter-token latency percentiles, and the engine's own per-step overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from slotserve.engine import Engine
+
+TOPICS = [
+    "the history of the printing press", "how volcanoes form", "the rules of chess",
+    "why the sky is blue", "the life cycle of a butterfly", "how a compiler works",
+    "the water cycle", "the causes of the French revolution", "how vaccines work",
+    "the structure of DNA", "how airplanes fly", "the basics of photosynthesis",
+    "how the internet routes packets", "the history of jazz", "how batteries store energy",
+    "the geography of Japan",
+]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def prompt_ids(engine: Engine, i: int, target: int) -> list[int]:
+    """A distinct chat prompt of about `target` tokens."""
+    topic = TOPICS[i % len(TOPICS)]
+    text = f"Request {i}. Write a detailed essay about {topic}."
+    ids = engine.render_chat([{"role": "user", "content": text}])
+    filler = engine.tokenizer.encode(" Please be thorough and precise.", add_special=False)
+    while len(ids) < target:
+        ids = ids[:-3] + filler + ids[-3:]
+    return ids
+
+
+async def run_streams(engine: Engine, n: int, prompt_tokens: int, new_tokens: int,
+                      offset: int = 0) -> dict[str, Any]:
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    produced = [0] * n
+
+    async def one(k: int) -> None:
+        req = engine.make_request(prompt_ids(engine, offset + k, prompt_tokens),
+                                  max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        last = None
+        async for d in engine.generate(req):
+            now = time.perf_counter()
+            if d.token_ids:
+                if last is None:
+                    ttfts.append(now - t0)
+                else:
+                    gaps.append(now - last)
+                last = now
+                produced[k] += len(d.token_ids)
+
+    steps_before = len(engine.batcher.stats.recent) if engine.batcher else 0
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for k in range(n):
+            tg.start_soon(one, k)
+    wall = time.perf_counter() - t0
+    total = sum(produced)
+    overhead = step_overhead(engine, steps_before, n)
+    return {
+        "streams": n, "tokens": total, "wall_s": round(wall, 3),
+        "aggregate_tok_s": round(total / wall, 2),
+        "per_stream_tok_s": round(total / wall / n, 2),
+        "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000, 1),
+        "ttft_p95_ms": round(pct(ttfts, 0.95) * 1000, 1),
+        "itl_p50_ms": round(pct(gaps, 0.5) * 1000, 1),
+        "itl_p95_ms": round(pct(gaps, 0.95) * 1000, 1),
+        **overhead,
+    }
+
+
+def step_overhead(engine: Engine, since: int, n: int) -> dict[str, Any]:
+    """Per-step time outside the model forward, over steps that decoded all n streams."""
+    assert engine.batcher is not None
+    recent = engine.batcher.stats.recent[since:]
+    walls, models = [], []
+    for (rows, model_s, start), (_, _, nxt) in zip(recent, recent[1:], strict=False):
+        if rows == n:  # steady decode: one row per stream
+            walls.append(nxt - start)
+            models.append(model_s)
+    if not walls:
+        return {"step_ms": None, "model_ms": None, "overhead_pct": None}
+    w, m = statistics.median(walls), statistics.median(models)
+    return {"step_ms": round(w * 1000, 2), "model_ms": round(m * 1000, 2),
+            "overhead_pct": round(100 * (w - m) / w, 1)}
+
+
+def plain_loop(engine: Engine, ids: list[int], new_tokens: int) -> float:
+    """Tokens/s of a bare single-sequence loop over the same model code (no actors)."""
+    import mlx.core as mx
+
+    from slotserve.model.layers import Batch
+
+    model = engine.loaded.model  # type: ignore[union-attr]
+
+    def run() -> float:
+        kv = model.new_kv()
+        logits = model(mx.array(ids), Batch.build([(kv, 0, len(ids))]), [len(ids) - 1])
+        tok = mx.argmax(logits, axis=-1)
+        mx.eval(tok)
+        pos = len(ids)
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            logits = model(tok, Batch.build([(kv, pos, 1)]), [0])
+            tok = mx.argmax(logits, axis=-1)
+            mx.eval(tok)
+            pos += 1
+        return new_tokens / (time.perf_counter() - t0)
+
+    assert engine.mlx is not None
+    return engine.mlx.call(run)
+
+
+async def bench_single(engine: Engine, new_tokens: int) -> dict[str, Any]:
+    engine.drop_retained()
+    await run_streams(engine, 1, 64, 8)  # warm-up
+    n1 = await run_streams(engine, 1, 64, new_tokens)
+    ids = prompt_ids(engine, 0, 64)
+    plain = plain_loop(engine, ids, new_tokens)
+    engine.drop_retained()
+    ids512 = prompt_ids(engine, 998, 512)[:512]
+    req = engine.make_request(ids512, max_tokens=1, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    async for _ in engine.generate(req):
+        pass
+    prefill = 512 / (time.perf_counter() - t0)
+    return {
+        "engine_decode_tok_s": round(1000 / n1["itl_p50_ms"], 2),
+        "engine_end_to_end_tok_s": n1["aggregate_tok_s"],
+        "plain_loop_decode_tok_s": round(plain, 2),
+        "engine_vs_plain": round((1000 / n1["itl_p50_ms"]) / plain, 3),
+        "prefill_512_tok_s": round(prefill, 1),
+        "ttft_ms": n1["ttft_p50_ms"],
+    }
+
+
+def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [r["streams"] for r in results]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    ax[0].plot(ns, [r["aggregate_tok_s"] for r in results], "o-", label="slotserve")
+    ax[0].set_xscale("log", base=2)
+    ax[0].set_xlabel("concurrent streams")
+    ax[0].set_ylabel("aggregate tok/s")
+    ax[0].set_title("throughput")
+    ax[1].plot(ns, [r["ttft_p50_ms"] for r in results], "o-", label="TTFT p50")
+    ax[1].plot(ns, [r["ttft_p95_ms"] for r in results], "o--", label="TTFT p95")
+    ax[1].plot(ns, [r["itl_p50_ms"] for r in results], "s-", label="ITL p50")
+    ax[1].set_xscale("log", base=2)
+    ax[1].set_xlabel("concurrent streams")
+    ax[1].set_ylabel("ms")
+    ax[1].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(args: argparse.Namespace) -> int:
+    streams = [int(x) for x in str(args.streams).split(",") if x]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        engine = Engine.load(args.model, device=args.device, max_slots=max(streams),
+                             max_queue=4 * max(streams))
+        async with engine:
+            load_s = time.perf_counter() - t0
+            info: dict[str, Any] = {
+                "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
+                or platform.machine(), "python": platform.python_version(),
+                "model": str(engine.loaded.path.name),  # type: ignore[union-attr]
+                "device": engine.loaded.device,  # type: ignore[union-attr]
+                "load_s": round(load_s, 2),
+                "invariance": vars(engine.loaded.invariance)  # type: ignore[union-attr]
+                if engine.loaded.invariance else None,  # type: ignore[union-attr]
+            }
+            if args.single:
+                info["single"] = await bench_single(engine, args.new_tokens)
+            else:
+                await run_streams(engine, 1, 32, 4)  # warm-up
+                rows = []
+                for i, n in enumerate(streams):
+                    r = await run_streams(engine, n, args.prompt_tokens, args.new_tokens,
+                                          offset=100 * (i + 1))
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
+                info["concurrency"] = rows
+            info["peak_rss_mb"] = round(peak_rss_mb(), 1)
+            return info
+
+    result = anyio.run(run)
+    name = "single" if args.single else "concurrency"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    if not args.single:
+        plot(result["concurrency"], out / f"{name}.png",
+             f"slotserve {result['model']} on {result['device']}")
+    print(json.dumps(result, indent=2))  # noqa: T201 - the command's output
+    return 0
