@@ -96,7 +96,7 @@ class Engine:
     async def __aenter__(self) -> Engine:
         cfg = self.config
         self.mlx = MLXThread()
-        rows = max(cfg.prefill_budget, cfg.max_slots)
+        rows = max(cfg.prefill_budget, cfg.max_slots, 256)
         self.loaded = await self.mlx.run(
             lambda: load(cfg.model, device=cfg.device, probe_rows=rows, progress=self.progress)
         )
