@@ -17,9 +17,9 @@ import mlx.core as mx
 from slotserve.kernels.attention import (
     AttentionPlan,
     causal_bias,
-    decode_attention,
     segment_attention,
     span_for,
+    token_attention,
 )
 from slotserve.model.kv import SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
@@ -265,7 +265,7 @@ def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scal
         span = group.span
         keys = mx.stack([caches[id(s)][0][:, :span] for s in group.segments])
         values = mx.stack([caches[id(s)][1][:, :span] for s in group.segments])
-        outs.append(decode_attention(q[group.rows], keys, values, group.bias(window), scale))
+        outs.append(token_attention(q[group.rows], keys, values, group.bias(window), scale))
     for seg in batch.prefill:
         keys, values = caches[id(seg)]
         rows = slice(seg.row, seg.row + seg.length)
