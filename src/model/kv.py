@@ -1,66 +1,125 @@
-"""Per-slot KV storage that grows with what is written.
+"""KV storage: one pool per model, handed out to slots in pages.
 
-Each slot owns one SlotKV: for every layer a keys and a values array of shape
-[kv_heads, capacity, head_dim]. Capacity grows in steps of GROW_STEP positions (a
-multiple of the attention block), so memory follows the tokens actually written
-and never `max_slots x context` up front. Positions past `length` may hold stale
-values from an earlier request; attention masks them by position.
+Every layer keeps all slots' keys (and values) in one array of shape
+[pages * BLOCK, kv_heads, head_dim]. A slot owns a list of pages (BLOCK positions
+each, BLOCK being the attention key block), so
+
+* a step writes the new K/V of every row of every slot with one scatter per layer,
+* decode attention gathers all decode slots' keys with one gather per layer,
+* memory follows what is written: pages are taken as positions are reserved and
+  given back when a slot's retained KV is evicted; the pool grows (never shrinks)
+  to its high-water mark, never to max_slots x context up front.
+
+Page bookkeeping is plain Python under a lock (the event loop evicts, the MLX
+thread reserves); the arrays are touched only on the MLX thread.
 """
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
+import numpy as np
 
 from slotserve.kernels.attention import BLOCK
 
-GROW_STEP = 2 * BLOCK
+GROW_STEP = 2 * BLOCK  # admission charges KV in steps of this many positions
+POOL_GROWTH = 0.25  # grow the pool by at least this fraction when it runs out
 
 
-class SlotKV:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> None:
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
+                 initial_pages: int = 0) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.capacity = 0
-        self.keys: list[mx.array | None] = [None] * num_layers
-        self.values: list[mx.array | None] = [None] * num_layers
+        self.pages = 0
+        self.free: list[int] = []
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self._lock = threading.Lock()
+        if initial_pages:
+            self._grow(initial_pages)
 
     @property
     def bytes_per_position(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
 
     @property
+    def page_bytes(self) -> int:
+        return BLOCK * self.bytes_per_position
+
+    @property
     def nbytes(self) -> int:
-        return self.capacity * self.bytes_per_position
+        return self.pages * self.page_bytes
+
+    def _grow(self, extra: int) -> None:
+        """Append `extra` pages to every layer's arrays (MLX thread only)."""
+        shape = (extra * BLOCK, self.num_kv_heads, self.head_dim)
+        if self.pages == 0:
+            self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+            self.values = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        else:
+            self.keys = [mx.concatenate([k, mx.zeros(shape, self.dtype)]) for k in self.keys]
+            self.values = [mx.concatenate([v, mx.zeros(shape, self.dtype)]) for v in self.values]
+        mx.eval(self.keys, self.values)
+        self.free.extend(range(self.pages + extra - 1, self.pages - 1, -1))
+        self.pages += extra
+
+    def allocate(self, n: int) -> list[int]:
+        with self._lock:
+            if len(self.free) < n:
+                need = n - len(self.free)
+                self._grow(max(need, int(self.pages * POOL_GROWTH), 1))
+            taken = [self.free.pop() for _ in range(n)]
+        return taken
+
+    def release(self, pages: list[int]) -> None:
+        with self._lock:
+            self.free.extend(reversed(pages))
+
+
+class SlotKV:
+    """One slot's view of the pool: the pages holding its positions 0..capacity-1.
+
+    Positions past the slot's ledger may hold stale values from an earlier request;
+    attention masks them by position.
+    """
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.pages: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return len(self.pages) * BLOCK
+
+    @property
+    def bytes_per_position(self) -> int:
+        return self.pool.bytes_per_position
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.pages) * self.pool.page_bytes
 
     def reserve(self, end: int) -> None:
-        """Make room for positions [0, end) before a step writes them."""
-        if end <= self.capacity:
-            return
-        new_cap = -(-end // GROW_STEP) * GROW_STEP
-        shape = (self.num_kv_heads, new_cap - self.capacity, self.head_dim)
-        for i in range(self.num_layers):
-            pad = mx.zeros(shape, dtype=self.dtype)
-            k, v = self.keys[i], self.values[i]
-            self.keys[i] = pad if k is None else mx.concatenate([k, pad], axis=1)
-            self.values[i] = mx.zeros(shape, dtype=self.dtype) if v is None else mx.concatenate(
-                [v, mx.zeros(shape, dtype=self.dtype)], axis=1
-            )
-        self.capacity = new_cap
+        """Make room for positions [0, end) before a step writes them (MLX thread)."""
+        missing = -(-end // BLOCK) - len(self.pages)
+        if missing > 0:
+            self.pages.extend(self.pool.allocate(missing))
 
-    def write(self, layer: int, start: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store k/v ([kv_heads, T, head_dim]) at positions start.. and return the caches."""
-        end = start + k.shape[1]
-        keys, values = self.keys[layer], self.values[layer]
-        assert keys is not None and values is not None and end <= self.capacity
-        keys[:, start:end, :] = k
-        values[:, start:end, :] = v
-        self.keys[layer], self.values[layer] = keys, values
-        return keys, values
+    def rows_for(self, start: int, end: int) -> np.ndarray:
+        """Pool rows holding positions start..end-1."""
+        pos = np.arange(start, end)
+        return np.asarray(self.pages, dtype=np.int64)[pos // BLOCK] * BLOCK + pos % BLOCK
+
+    def span_rows(self, span: int) -> np.ndarray:
+        """Pool rows of positions 0..span-1 (span a multiple of BLOCK)."""
+        pages = np.asarray(self.pages[: span // BLOCK], dtype=np.int64)
+        return (pages[:, None] * BLOCK + np.arange(BLOCK)).ravel()
 
     def release(self) -> None:
-        """Drop the arrays (slot evicted)."""
-        self.keys = [None] * self.num_layers
-        self.values = [None] * self.num_layers
-        self.capacity = 0
+        """Give every page back (slot evicted)."""
+        pages, self.pages = self.pages, []
+        self.pool.release(pages)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from slotserve.kernels.attention import (
     AttentionPlan,
@@ -21,7 +22,7 @@ from slotserve.kernels.attention import (
     span_for,
     token_attention,
 )
-from slotserve.model.kv import SlotKV
+from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
 
 LINEAR_ROW_FLOOR = 1  # raised by the start-up invariance probe when BLAS needs it
@@ -48,8 +49,8 @@ class DecodeGroup:
     """Decode rows (one token each) of slots whose keys span the same length."""
 
     span: int
-    segments: list[Segment]
     rows: mx.array  # [n] batch row of each member
+    gather: mx.array  # [n, span] pool rows of each member's positions 0..span-1
     starts: list[int]
     biases: dict[int | None, mx.array] = field(default_factory=dict)
 
@@ -63,43 +64,58 @@ class DecodeGroup:
 
 @dataclass
 class Batch:
+    """A step's rows: where each row's K/V goes in the pool and what each row attends."""
+
     segments: list[Segment]
     positions: mx.array  # [R] int32 absolute position per row (padded)
+    pool: KVPool | None = None
+    write_rows: mx.array | None = None  # [rows] pool row receiving each real row's K/V
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    prefill: list[Segment] = field(default_factory=list)
+    prefill: list[tuple[Segment, mx.array]] = field(default_factory=list)  # (seg, gather)
     order: mx.array | None = None  # puts attention outputs back in row order
 
     @staticmethod
     def build(parts: list[tuple[SlotKV, int, int]]) -> Batch:
+        """Reserve KV pages for every segment and precompute all pool indices."""
         segs: list[Segment] = []
         pos: list[int] = []
+        writes: list[np.ndarray] = []
         row = 0
         for kv, start, length in parts:
+            kv.reserve(start + length)
             segs.append(Segment(kv, start, length, row))
             pos.extend(range(start, start + length))
+            writes.append(kv.rows_for(start, start + length))
             row += length
         pos.extend([0] * (LINEAR_ROW_FLOOR - len(pos)))  # padding rows (discarded)
         batch = Batch(segs, mx.array(pos, dtype=mx.int32))
+        if segs:
+            batch.pool = segs[0].kv.pool
+            batch.write_rows = mx.array(np.concatenate(writes).astype(np.int32))
         batch._group()
         return batch
 
     def _group(self) -> None:
         by_span: dict[int, list[Segment]] = {}
+        prefill: list[Segment] = []
         for seg in self.segments:
             if seg.length == 1:
                 by_span.setdefault(span_for(seg.start + 1), []).append(seg)
             else:
-                self.prefill.append(seg)
+                prefill.append(seg)
         emitted: list[int] = []
         for span, members in sorted(by_span.items()):
             rows = [m.row for m in members]
             emitted.extend(rows)
+            gather = np.stack([m.kv.span_rows(span) for m in members]).astype(np.int32)
             self.decode_groups.append(
-                DecodeGroup(span, members, mx.array(rows, dtype=mx.int32),
+                DecodeGroup(span, mx.array(rows, dtype=mx.int32), mx.array(gather),
                             [m.start for m in members])
             )
-        for seg in self.prefill:
+        for seg in prefill:
             emitted.extend(range(seg.row, seg.row + seg.length))
+            span = seg.attention_plan().span
+            self.prefill.append((seg, mx.array(seg.kv.span_rows(span).astype(np.int32))))
         emitted.extend(range(self.rows, self.padded_rows))
         if emitted != list(range(len(emitted))):
             inverse = [0] * len(emitted)
@@ -249,29 +265,29 @@ class Rope:
 
 def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scale: float,
            window: int | None = None) -> mx.array:
-    """Write every segment's new K/V into its slot, then attend; q/k/v: [R, heads, D].
+    """Write every row's new K/V into the pool, then attend; q/k/v: [R, heads, D].
 
-    All decode rows of one key span go through one batched dispatch (their slots'
-    K/V stacked); each prefill chunk attends over its own slot's cache.
+    All decode rows of one key span go through one batched dispatch; each prefill
+    chunk attends over its own slot's positions.
     """
-    caches = {}
-    for seg in batch.segments:
-        rows = slice(seg.row, seg.row + seg.length)
-        caches[id(seg)] = seg.kv.write(
-            layer, seg.start, k[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2)
-        )
+    pool = batch.pool
+    assert pool is not None and batch.write_rows is not None
+    n = batch.rows
+    pool.keys[layer][batch.write_rows] = k[:n] if k.shape[0] > n else k
+    pool.values[layer][batch.write_rows] = v[:n] if v.shape[0] > n else v
+    keys_all, values_all = pool.keys[layer], pool.values[layer]
     outs = []
     for group in batch.decode_groups:
-        span = group.span
-        keys = mx.stack([caches[id(s)][0][:, :span] for s in group.segments])
-        values = mx.stack([caches[id(s)][1][:, :span] for s in group.segments])
+        keys = keys_all[group.gather].transpose(0, 2, 1, 3)  # [S, kv_heads, span, D]
+        values = values_all[group.gather].transpose(0, 2, 1, 3)
         outs.append(token_attention(q[group.rows], keys, values, group.bias(window), scale))
-    for seg in batch.prefill:
-        keys, values = caches[id(seg)]
+    for seg, gather in batch.prefill:
+        keys = keys_all[gather].transpose(1, 0, 2)  # [kv_heads, span, D]
+        values = values_all[gather].transpose(1, 0, 2)
         rows = slice(seg.row, seg.row + seg.length)
         outs.append(segment_attention(q[rows], keys, values, seg.attention_plan(), scale,
                                       window))
-    extra = q.shape[0] - batch.rows
+    extra = q.shape[0] - n
     if extra:
         outs.append(mx.zeros((extra, *q.shape[1:]), dtype=q.dtype))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -62,7 +62,8 @@ class ModelRunner:
                 logit_rows.append(row - 1)
                 sampled_work.append(w)
         logits = self.model(tokens, batch, logit_rows)  # type: ignore[operator]
-        kv_arrays = [a for w in work for a in (*w.kv.keys, *w.kv.values) if a is not None]
+        pool = batch.pool
+        kv_arrays = [*pool.keys, *pool.values] if pool is not None else []
         out = StepOutput(rows=row)
         if logits is None:
             mx.eval(kv_arrays)

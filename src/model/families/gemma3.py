@@ -108,8 +108,6 @@ class Model(llama.Model):
 
         Rows not in logit_rows still write their K/V into their slots.
         """
-        for seg in batch.segments:
-            seg.kv.reserve(seg.start + seg.length)
         max_pos = max(s.start + s.length for s in batch.segments)
         tables = {
             False: self.rope.tables(batch.positions, max_pos),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from slotserve.model.config import ModelConfig
-from slotserve.model.kv import SlotKV
+from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.layers import Batch, Embedding, Linear, Rope, attend, pad_rows, rms_norm
 from slotserve.model.weights import Tensor
 
@@ -71,6 +71,7 @@ class Model:
     """Decoder-only transformer over a row batch; see slotserve.model.layers."""
 
     block_class = Block
+    kv_pool: KVPool | None = None  # created on the first new_kv()
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], dtype: mx.Dtype,
                  quant: bool) -> None:
@@ -83,8 +84,11 @@ class Model:
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype)
 
     def new_kv(self) -> SlotKV:
-        c = self.config
-        return SlotKV(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        """A slot's KV, backed by this model's shared page pool."""
+        if self.kv_pool is None:
+            c = self.config
+            self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        return SlotKV(self.kv_pool)
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         return self.embed(tokens)
@@ -94,8 +98,6 @@ class Model:
 
         Rows not in logit_rows still write their K/V into their slots.
         """
-        for seg in batch.segments:
-            seg.kv.reserve(seg.start + seg.length)
         max_pos = max(s.start + s.length for s in batch.segments)
         cos, sin = self.rope.tables(batch.positions, max_pos)
         x = self.embed_tokens(batch.pad_tokens(tokens))

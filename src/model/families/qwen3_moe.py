@@ -97,6 +97,10 @@ class SparseMoE:
         # MLX's CPU gather_mm runs one BLAS call per pair whatever the order, so grouping
         # pairs by expert changes no bits there; GPU kernels may differ, so CPU only.
         self.can_group = self.down.wt is not None and mx.default_device() == mx.cpu
+        # GPU expert kernels change path with the row count (CUDA: 1-7 rows give other bits
+        # than 8+), so there padding rows go through the experts too, as through every Linear
+        # (routed to row 0's experts, so they read no other expert's weights).
+        self.skip_padding = mx.default_device() == mx.cpu
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Per row: the k chosen experts [R, k] and their weights [R, k] (x's dtype)."""
@@ -129,7 +133,11 @@ class SparseMoE:
         """
         experts, weights = self.route(x)
         r = x.shape[0]
-        n = r if rows is None else rows
+        real = r if rows is None else rows
+        n = real if self.skip_padding else r
+        if n > real:  # GPU: padding rows take row 0's experts
+            pad = mx.broadcast_to(experts[:1], (n - real, experts.shape[1]))
+            experts = mx.concatenate([experts[:real], pad])
         xs, experts, weights = x[:n], experts[:n], weights[:n]
         if self.can_group and experts.size >= GROUP_MIN_PAIRS:
             out = self.grouped_swiglu(xs, experts)
