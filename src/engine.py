@@ -106,6 +106,7 @@ class Engine:
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)
+            slot.on_idle = self._slot_idle
             self.slots.append(slot)
             self.batcher.slots[i] = slot
         bpt = self.slots[0].kv.bytes_per_position
@@ -230,6 +231,11 @@ class Engine:
         self.admission.release(slot)
         for fn in self.listeners:
             fn("finished", reason)
+
+    def _slot_idle(self, slot: Slot) -> None:
+        """A slot freed while its step was in flight is placeable only now: admit queued work."""
+        if self.admission is not None:
+            self.admission.pump()
 
     def cancel(self, session: Session) -> None:
         """Cancel a request wherever it is (queued or running)."""

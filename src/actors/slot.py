@@ -59,6 +59,8 @@ class Slot(Actor[SlotMessage]):
         self.kv = kv
         self.batcher = batcher
         self.on_finish = on_finish
+        # called when a cancelled request's last step returns: only now can the slot be reused
+        self.on_idle: Callable[[Slot], None] | None = None
         self.ledger: list[int] = []
         self.epoch = 0
         self.busy = False  # reserved by admission or serving a request
@@ -118,6 +120,7 @@ class Slot(Actor[SlotMessage]):
             if msg.epoch == self.epoch and self.request is not None:
                 self._finish("error", msg.error)
             self.batcher.tell(Parked(self.id))
+            self._idle()
         elif isinstance(msg, Cancel):
             if msg.epoch == self.epoch and self.request is not None:
                 if msg.reason == "shutdown":
@@ -145,6 +148,7 @@ class Slot(Actor[SlotMessage]):
         self.in_flight = False
         if msg.epoch != self.epoch or self.request is None:
             self.batcher.tell(Parked(self.id))
+            self._idle()
             return
         req, session = self.request, self.session
         assert session is not None and self.state is not None
@@ -170,6 +174,10 @@ class Slot(Actor[SlotMessage]):
         else:  # backpressure: skip ticks until the session drains
             self.parked = True
             self.batcher.tell(Parked(self.id))
+
+    def _idle(self) -> None:
+        if not self.busy and self.on_idle is not None:
+            self.on_idle(self)
 
     def _finish(self, reason: str, error: str | None = None) -> None:
         assert self.request is not None and self.session is not None

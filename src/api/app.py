@@ -1,0 +1,157 @@
+"""The OpenAI-compatible HTTP app: routes, auth, and JSON errors for every failure.
+
+    app = create_app(EngineConfig(max_slots=8), api_key="secret")
+    await serve(app, host="127.0.0.1", port=8000)      # slotserve.api.server
+
+The engine loads in the background once serving starts (GET /health answers 503 until it is
+ready) and drains when serving stops.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+import structlog
+from quart import Quart, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from slotserve.api import generation
+from slotserve.api.errors import HTTP_ERRORS, APIError, error_body, json_response
+from slotserve.api.schemas import parse_body, parse_chat, parse_completion
+from slotserve.api.state import AppState, Settings
+from slotserve.engine import EngineConfig
+
+log = structlog.get_logger("slotserve.api")
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def create_app(engine_config: EngineConfig | None = None, api_key: str | None = None, *,
+               keepalive_interval: float = 15.0, max_body_bytes: int = 8 * 2**20,
+               model_id: str | None = None) -> Quart:
+    """Build the app; nothing loads until it is served (see `app_state(app)` for the engine)."""
+    settings = Settings(api_key=api_key or None, keepalive_interval=keepalive_interval,
+                        max_body_bytes=max_body_bytes)
+    state = AppState(engine_config or EngineConfig(), settings, model_id)
+    app = Quart("slotserve")
+    app.config.update(MAX_CONTENT_LENGTH=max_body_bytes, RESPONSE_TIMEOUT=None,
+                      PROVIDE_AUTOMATIC_OPTIONS=False)
+    app.extensions["slotserve"] = state
+
+    @app.before_serving
+    async def start_engine() -> None:
+        state.start()
+
+    @app.after_serving
+    async def stop_engine() -> None:
+        await state.drain()
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        g.started = time.perf_counter()
+        key = settings.api_key
+        if key is None or request.path in OPEN_PATHS:
+            return None
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode()):
+            return None
+        return json_response(error_body("invalid or missing API key (send 'Authorization: "
+                                        "Bearer <key>')", code="invalid_api_key"), 401,
+                             {"WWW-Authenticate": "Bearer"})
+
+    @app.after_request
+    async def log_request(response: Response) -> Response:
+        started = g.get("started")
+        ms = None if started is None else round((time.perf_counter() - started) * 1000, 1)
+        log.info("request", method=request.method, path=request.path,
+                 status=response.status_code, ms=ms)
+        return response
+
+    # ---- errors ------------------------------------------------------------------------
+
+    @app.errorhandler(APIError)
+    async def api_error(exc: APIError) -> Response:
+        return exc.response()
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        kind, code = HTTP_ERRORS.get(status, ("invalid_request_error", "http_error"))
+        message = {404: f"no route for {request.method} {request.path}",
+                   405: f"method {request.method} is not allowed on {request.path}",
+                   413: f"request body larger than {max_body_bytes} bytes"}.get(
+                       status, exc.description or exc.name)
+        headers = {k: v for k, v in exc.get_headers() if k.lower() == "allow"}
+        return json_response(error_body(message, type=kind, code=code), status, headers)
+
+    @app.errorhandler(Exception)
+    async def internal_error(exc: Exception) -> Response:
+        log.error("unhandled error", path=request.path, exc_info=exc)
+        return json_response(error_body(f"internal error: {type(exc).__name__}",
+                                        type="server_error", code="internal_error"), 500)
+
+    # ---- routes ------------------------------------------------------------------------
+
+    async def body() -> dict[str, Any]:
+        raw = await request.get_data(cache=False)
+        return parse_body(raw if isinstance(raw, bytes) else raw.encode())
+
+    def check_model(name: str | None) -> None:
+        if not state.knows_model(name):
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{state.model_id!r}", param="model", code="model_not_found")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        req = parse_chat(await body())
+        check_model(req.model)
+        return await generation.chat(state, req)
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        req = parse_completion(await body())
+        check_model(req.model)
+        return await generation.completion(state, req)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [model_card(state)]})
+
+    @app.get("/v1/models/<path:name>")
+    async def model(name: str) -> Response:
+        check_model(name)
+        return json_response(model_card(state))
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = state.status
+        return json_response({"status": status}, 200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        payload, content_type = state.metrics.render()
+        return Response(payload, content_type=content_type)
+
+    @app.get("/slots")
+    async def slots() -> Response:
+        engine = state.engine
+        if engine is None or engine.admission is None:
+            return json_response({"slots": [], "status": state.status})
+        return json_response({"slots": engine.slot_states(), "kv": engine.kv_summary(),
+                              "status": state.status})
+
+    return app
+
+
+def model_card(state: AppState) -> dict[str, Any]:
+    created = int(state.engine.started_at) if state.engine else int(time.time())
+    return {"id": state.model_id, "object": "model", "created": created, "owned_by": "slotserve"}
+
+
+def app_state(app: Quart) -> AppState:
+    """The state behind an app from `create_app` (its engine, settings and metrics)."""
+    return app.extensions["slotserve"]

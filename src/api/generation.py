@@ -1,0 +1,297 @@
+"""Run one chat or completion request on the engine and answer it as JSON or as SSE.
+
+The request is submitted before any response byte is sent, so a full queue or a prompt that
+does not fit is a proper 429/400, never a broken stream. Reading stops (and the engine frees the
+slot) as soon as the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from quart import Response
+
+from slotserve.actors.admission import (
+    AdmissionError,
+    BudgetExceededError,
+    ContextOverflowError,
+    OverloadedError,
+)
+from slotserve.actors.messages import Delta, TokenLogprob
+from slotserve.actors.session import Session
+from slotserve.api.errors import APIError, bad_request, error_body, json_response
+from slotserve.api.responses import LogprobFormatter, ResponseIds
+from slotserve.api.schemas import FLOAT_KNOBS, ChatRequest, CompletionRequest
+from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
+from slotserve.api.state import AppState
+from slotserve.api.tools import ToolCall, ToolCallParser, tool_instructions, with_system_text
+from slotserve.engine import Engine, EngineClosedError
+
+_FIELD = re.compile(r"^'?([a-z_]+)")  # engine messages start with the knob they reject
+_KNOBS = frozenset({*FLOAT_KNOBS, "top_k", "seed", "logit_bias", "max_tokens", "stop",
+                    "top_logprobs"})
+
+
+# ---- admission -----------------------------------------------------------------------------
+
+
+def submit(state: AppState, engine: Engine, prompt_ids: list[int],
+           options: dict[str, Any], param: str) -> Session:
+    """Build and admit a request; every refusal becomes the matching HTTP error."""
+    ctx = engine.context_length
+    if len(prompt_ids) >= ctx:
+        state.metrics.reject("context_length_exceeded")
+        raise APIError(400, f"the prompt is {len(prompt_ids)} tokens, but the model's context "
+                       f"length is {ctx} tokens", param=param, code="context_length_exceeded")
+    try:
+        request = engine.make_request(prompt_ids, **options)
+    except ValueError as exc:
+        m = _FIELD.match(str(exc))
+        raise bad_request(str(exc), m.group(1) if m and m.group(1) in _KNOBS else None) from None
+    try:
+        return engine.submit(request)
+    except OverloadedError as exc:
+        state.metrics.reject("queue_full")
+        raise APIError(429, f"{exc}", type="rate_limit_exceeded", code="queue_full",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    except ContextOverflowError as exc:
+        state.metrics.reject("context_length_exceeded")
+        raise APIError(400, str(exc), param="max_tokens",
+                       code="context_length_exceeded") from None
+    except BudgetExceededError as exc:
+        state.metrics.reject("kv_budget_exceeded")
+        raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+    except AdmissionError as exc:
+        raise bad_request(str(exc)) from None
+    except EngineClosedError:
+        state.metrics.reject("shutting_down")
+        raise APIError(503, "the server is shutting down", type="server_error",
+                       code="shutting_down") from None
+
+
+async def deltas(engine: Engine, session: Session) -> AsyncGenerator[Delta, None]:
+    """The session's deltas up to the final one; closing early cancels the request."""
+    finished = False
+    try:
+        async with session.client:
+            async for d in session.client:
+                finished = d.finish_reason is not None
+                yield d
+                if finished:
+                    return
+        finished = True
+        yield Delta(finish_reason="error", error="the request ended without a result")
+    finally:
+        if not finished:
+            engine.cancel(session)
+
+
+def open_stream(state: AppState, engine: Engine,
+                session: Session) -> AsyncGenerator[Delta, None]:
+    """The request's deltas, metered; dropped unread (client gone before the body started),
+    the request is still cancelled, so its slot is never left waiting for a reader."""
+    stream = state.metrics.observe(deltas(engine, session))
+    guard = weakref.finalize(stream, engine.cancel, session)  # a no-op once it has finished
+    guard.atexit = False
+    return stream
+
+
+def engine_failure(final: Delta) -> APIError:
+    message = final.error or f"generation ended: {final.finish_reason}"
+    if "shutting down" in message:
+        return APIError(503, message, type="server_error", code="shutting_down")
+    return APIError(500, message, type="server_error", code="generation_failed")
+
+
+def stream_response(body: AsyncIterator[bytes]) -> Response:
+    response = Response(body, content_type="text/event-stream", headers=HEADERS)
+    response.timeout = None  # generation may legitimately take minutes
+    return response
+
+
+# ---- chat ----------------------------------------------------------------------------------
+
+
+async def chat(state: AppState, req: ChatRequest) -> Response:
+    engine = state.ready_engine()
+    choice = req.tool_choice
+    tools = req.tools if choice.mode != "none" else None
+    if tools and choice.mode == "function":
+        tools = [t for t in tools if t["function"]["name"] == choice.name]
+    messages = req.messages
+    if tools:
+        note = tool_instructions(tools, choice, state.template_lists_tools)
+        if note:
+            messages = with_system_text(messages, note)
+    try:
+        ids = await asyncio.to_thread(engine.render_chat, messages, tools)
+    except ValueError as exc:  # TemplateError: the template rejected these messages
+        raise bad_request(str(exc), "messages") from None
+    session = submit(state, engine, ids, req.options, "messages")
+    stream = open_stream(state, engine, session)
+    fmt = LogprobFormatter(engine.tokenizer)
+    rid = ResponseIds(state.model_id)
+    parser = ToolCallParser(choice) if tools else None
+    if req.stream:
+        return stream_response(_chat_events(state, req, stream, fmt, rid, parser))
+    text, lps, final = await _collect(stream)
+    calls: list[ToolCall] = []
+    if parser is not None:
+        a, calls = parser.feed(text)
+        b, more = parser.finish()
+        text, calls = a + b, calls + more
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    reason = final.finish_reason
+    if calls:
+        message["content"] = text if text.strip() else None
+        message["tool_calls"] = [c.to_openai() for c in calls]
+        reason = "tool_calls"
+    choice_obj = {"index": 0, "message": message, "finish_reason": reason,
+                  "logprobs": {"content": fmt.chat(lps, req.top_logprobs)}
+                  if req.logprobs else None}
+    return json_response(rid.chat(choice_obj, final.usage))
+
+
+async def _collect(stream: AsyncGenerator[Delta, None]) -> tuple[str, list[TokenLogprob], Delta]:
+    parts: list[str] = []
+    lps: list[TokenLogprob] = []
+    final = Delta(finish_reason="error", error="no result")
+    async with contextlib.aclosing(stream):
+        async for d in stream:
+            parts.append(d.text)
+            lps.extend(d.logprobs)
+            if d.finish_reason is not None:
+                final = d
+    if final.finish_reason not in ("stop", "length"):
+        raise engine_failure(final)
+    return "".join(parts), lps, final
+
+
+async def _chat_events(state: AppState, req: ChatRequest, stream: AsyncGenerator[Delta, None],
+                       fmt: LogprobFormatter, ids: ResponseIds,
+                       parser: ToolCallParser | None) -> AsyncIterator[bytes]:
+    pending: list[TokenLogprob] = []  # logprobs ride on the next chunk that carries text
+    n_calls = 0
+
+    def lps() -> list[dict[str, Any]] | None:
+        if not req.logprobs:
+            return None
+        out = fmt.chat(pending, req.top_logprobs)
+        pending.clear()
+        return out
+
+    def emit(text: str, calls: list[ToolCall]) -> list[bytes]:
+        nonlocal n_calls
+        out = [event(ids.chat_chunk({"content": text}, logprobs=lps()))] if text else []
+        for call in calls:
+            head = {"index": n_calls, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}
+            args = {"index": n_calls, "function": {"arguments": call.arguments}}
+            out += [event(ids.chat_chunk({"tool_calls": [head]})),
+                    event(ids.chat_chunk({"tool_calls": [args]}))]
+            n_calls += 1
+        return out
+
+    yield event(ids.chat_chunk({"role": "assistant", "content": ""}))
+    final: Delta | None = None
+    async with contextlib.aclosing(with_keepalive(stream, state.settings.keepalive_interval)) \
+            as items:
+        async for d in items:
+            if d is None:
+                yield KEEPALIVE
+                continue
+            pending.extend(d.logprobs)
+            if d.finish_reason is not None:
+                final = d
+                break
+            text, calls = parser.feed(d.text) if parser else (d.text, [])
+            for chunk in emit(text, calls):
+                yield chunk
+    if final is None or final.finish_reason not in ("stop", "length"):
+        yield _error_event(final)
+        yield DONE
+        return
+    if parser is not None:
+        for chunk in emit(*parser.finish()):
+            yield chunk
+    reason = "tool_calls" if n_calls else final.finish_reason
+    yield event(ids.chat_chunk({}, finish_reason=reason, logprobs=lps()))
+    if req.include_usage:
+        yield event(ids.usage_chunk(final.usage, "chat.completion.chunk"))
+    yield DONE
+
+
+def _error_event(final: Delta | None) -> bytes:
+    err = engine_failure(final or Delta(finish_reason="error", error="stream ended early"))
+    return event(error_body(err.message, type=err.type, code=err.code))
+
+
+# ---- completions ---------------------------------------------------------------------------
+
+
+async def completion(state: AppState, req: CompletionRequest) -> Response:
+    engine = state.ready_engine()
+    tok = engine.tokenizer
+    if isinstance(req.prompt, str):
+        ids = await asyncio.to_thread(tok.encode, req.prompt)
+    else:
+        bad = next((t for t in req.prompt if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"prompt token id {bad} is out of range [0, {tok.vocab_size})",
+                              "prompt")
+        ids = list(req.prompt)
+    session = submit(state, engine, ids, req.options, "prompt")
+    stream = open_stream(state, engine, session)
+    fmt = LogprobFormatter(tok)
+    rid = ResponseIds(state.model_id, prefix="cmpl")
+    top = req.logprobs
+    if req.stream:
+        return stream_response(_completion_events(state, req, stream, fmt, rid))
+    text, lps, final = await _collect(stream)
+    choice = {"index": 0, "text": text, "finish_reason": final.finish_reason,
+              "logprobs": None if top is None else fmt.completion(lps, top, 0)}
+    return json_response(rid.completion(choice, final.usage))
+
+
+async def _completion_events(state: AppState, req: CompletionRequest,
+                             stream: AsyncGenerator[Delta, None], fmt: LogprobFormatter,
+                             rid: ResponseIds) -> AsyncIterator[bytes]:
+    offset = 0
+    pending: list[TokenLogprob] = []
+    top = req.logprobs
+
+    def chunk(text: str, reason: str | None = None) -> bytes:
+        nonlocal offset
+        lp = None
+        if top is not None:
+            lp = fmt.completion(pending, top, offset)
+            pending.clear()
+        offset += len(text)
+        return event(rid.completion_chunk(text, reason, lp))
+
+    final: Delta | None = None
+    async with contextlib.aclosing(with_keepalive(stream, state.settings.keepalive_interval)) \
+            as items:
+        async for d in items:
+            if d is None:
+                yield KEEPALIVE
+                continue
+            pending.extend(d.logprobs)
+            if d.finish_reason is not None:
+                final = d
+                break
+            if d.text:
+                yield chunk(d.text)
+    if final is None or final.finish_reason not in ("stop", "length"):
+        yield _error_event(final)
+        yield DONE
+        return
+    yield chunk("", final.finish_reason)
+    if req.include_usage:
+        yield event(rid.usage_chunk(final.usage, "text_completion"))
+    yield DONE

@@ -1,0 +1,231 @@
+"""Serve the app with Hypercorn: graceful shutdown, log setup, the CLI entry and its banner.
+
+Shutdown order matters: Hypercorn gives open connections only a short grace period, so the
+engine drains first (in-flight streams run to their end or get a clean error chunk) and only
+then does Hypercorn close the listeners.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import structlog
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config
+from quart import Quart
+
+from slotserve.api.app import app_state, create_app
+from slotserve.api.state import AppState, model_id_for
+from slotserve.engine import EngineConfig
+
+T = TypeVar("T")
+
+log = structlog.get_logger("slotserve.server")
+
+LOG_FORMATS = ("console", "json")
+
+
+def configure_logging(log_format: str = "console", level: int = logging.INFO) -> None:
+    """structlog to stderr, human-readable or one JSON object per line."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, not {log_format!r}")
+    renderer: Any = (structlog.processors.JSONRenderer() if log_format == "json"
+                     else structlog.dev.ConsoleRenderer())
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso"),
+                    structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+def hypercorn_config(host: str, port: int, fd: int | None = None,
+                     graceful_timeout: float = 10.0) -> Config:
+    cfg = Config()
+    if fd is not None:
+        cfg.bind = [f"fd://{fd}"]
+    else:
+        cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    cfg.graceful_timeout = graceful_timeout
+    cfg.accesslog = None  # the app logs each request itself
+    return cfg
+
+
+async def serve(app: Quart, *, host: str = "127.0.0.1", port: int = 8000, fd: int | None = None,
+                shutdown_event: asyncio.Event | None = None) -> None:
+    """Serve until `shutdown_event` is set (or SIGINT/SIGTERM when none is given).
+
+    `fd`: an already bound listening socket to serve on (tests bind port 0 this way).
+    Raises the engine's load error if the model could not be loaded.
+    """
+    state = app_state(app)
+    stop = shutdown_event or _signal_event()
+
+    async def trigger() -> None:
+        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(state.failed.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        log.info("stopping: draining in-flight requests")
+        await state.drain()
+
+    await hypercorn_serve(app, hypercorn_config(host, port, fd), shutdown_trigger=trigger)
+    if state.load_error is not None:
+        raise state.load_error
+
+
+def _signal_event() -> asyncio.Event:
+    """Set on the first SIGINT/SIGTERM; a second one gets the default (immediate) behaviour."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def first(*_: object) -> None:
+        log.info("signal received: draining (send it again to stop at once)")
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        event.set()
+
+    for sig in signals:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, first)
+    return event
+
+
+async def run_server(host: str, port: int, engine_config: EngineConfig,
+                     api_key: str | None = None, log_format: str = "console",
+                     log_level: str = "info", **app_options: Any) -> None:
+    """The `slotserve serve` entry: configure logs, build the app, serve until a signal.
+
+    `app_options`: create_app's keywords (keepalive_interval, max_body_bytes, model_id).
+    """
+    configure_logging(log_format, getattr(logging, log_level.upper(), logging.INFO))
+    app = create_app(engine_config, api_key, **app_options)
+    await serve(app, host=host, port=port)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`slotserve serve` with the CLI's parsed arguments; blocks until SIGINT/SIGTERM."""
+    from slotserve.cli import parse_bytes
+
+    cfg = EngineConfig(model=args.model, device=getattr(args, "device", "auto"),
+                       max_slots=args.max_slots, max_queue=args.max_queue,
+                       kv_budget_bytes=parse_bytes(getattr(args, "kv_budget", None)),
+                       prefill_budget=getattr(args, "prefill_budget", 256))
+    sys.stdout.write(startup_banner(args.host, args.port, args.api_key,
+                                    model_id_for(args.model)) + "\n")
+    sys.stdout.flush()
+    try:
+        asyncio.run(run_server(args.host, args.port, cfg, args.api_key,
+                               getattr(args, "log_format", "console"),
+                               getattr(args, "log_level", "info")))
+    except Exception as exc:  # the model failed to load, or the port is taken
+        log.error("server stopped", error=f"{type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+def startup_banner(host: str, port: int, api_key: str | None = None,
+                   model: str | None = None) -> str:
+    """What the CLI prints at start: where to reach the server and a request to try."""
+    shown = "localhost" if host in ("0.0.0.0", "::", "") else host
+    shown = f"[{shown}]" if ":" in shown else shown
+    base = f"http://{shown}:{port}"
+    auth = " \\\n       -H 'Authorization: Bearer $SLOTSERVE_API_KEY'" if api_key else ""
+    name = f" serving {model}" if model else ""
+    return (
+        f"slotserve{name} on {base} (OpenAI API at {base}/v1; health at {base}/health)\n"
+        f"try:\n"
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"       -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    )
+
+
+class BackgroundServer:
+    """The app served on its own thread and event loop (tests, notebooks, benchmarks).
+
+        with BackgroundServer(create_app(EngineConfig(max_slots=4))).start() as srv:
+            httpx.get(srv.url + "/health")
+    """
+
+    def __init__(self, app: Quart, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app = app
+        self._sock: socket.socket | None = socket.create_server((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def state(self) -> AppState:
+        return app_state(self.app)
+
+    def start(self, timeout: float = 180.0) -> BackgroundServer:
+        """Start serving and wait until the engine is ready (or raise why it is not)."""
+        assert self._sock is not None, "a BackgroundServer starts once"
+        fd = self._sock.detach()
+        self._sock = None
+        started = threading.Event()
+
+        async def main() -> None:
+            self.loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            started.set()
+            await serve(self.app, fd=fd, shutdown_event=self._stop)
+
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            except BaseException as exc:  # reported by start() / stop()
+                self.error = exc
+                started.set()
+
+        self._thread = threading.Thread(target=run, name=f"slotserve-{self.port}", daemon=True)
+        self._thread.start()
+        started.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while self.state.status != "ok":
+            if self.error is not None or self.state.status == "failed":
+                self.stop()
+                raise RuntimeError(f"server failed to start: {self.error or self.state.load_error}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"server not ready after {timeout} s")
+            time.sleep(0.05)
+        return self
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+        """Run a coroutine on the server's loop (e.g. against its engine) and return its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Drain and stop; returns once the server thread has exited."""
+        if self.loop is not None and self._stop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop already finished
+                self.loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

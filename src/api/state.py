@@ -1,0 +1,128 @@
+"""The app's engine, owned by one background task from load to shutdown.
+
+The engine's task group must be entered and left by the same task, and loading takes seconds,
+so a dedicated task loads it (the server answers /health 503 meanwhile), keeps it open, and
+closes it when asked: in-flight requests finish, queued ones end with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from slotserve.api.errors import APIError
+from slotserve.api.metrics import Metrics
+from slotserve.engine import Engine, EngineConfig
+
+log = structlog.get_logger("slotserve.api")
+
+DEFAULT_ALIASES = ("default",)
+
+
+@dataclass
+class Settings:
+    api_key: str | None = None
+    keepalive_interval: float = 15.0  # seconds between SSE comments while nothing is sent
+    max_body_bytes: int = 8 * 2**20
+
+
+def model_id_for(model: str | Path | None) -> str:
+    """The name clients see: the model file's stem, or the model directory's name."""
+    if model is None:
+        try:
+            from slotserve.model.loader import default_model_path
+
+            model = default_model_path()
+        except Exception:  # the load itself reports a missing model properly
+            return "default"
+    p = Path(model)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+class AppState:
+    def __init__(self, engine_config: EngineConfig, settings: Settings,
+                 model_id: str | None = None) -> None:
+        self.engine_config = engine_config
+        self.settings = settings
+        self.model_id = model_id or model_id_for(engine_config.model)
+        self.engine: Engine | None = None
+        self.metrics = Metrics(lambda: self.engine)
+        self.load_error: BaseException | None = None
+        self.failed = asyncio.Event()
+        self.draining = False
+        self.template_lists_tools = False
+        self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is not None:
+            return
+        self.engine = Engine(self.engine_config)
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._run(self.engine, self._stop), name="engine")
+
+    async def _run(self, engine: Engine, stop: asyncio.Event) -> None:
+        try:
+            async with engine:
+                assert engine.template is not None
+                self.template_lists_tools = "tools" in engine.template.source
+                log.info("serving", model=self.model_id)
+                await stop.wait()
+                log.info("shutting down: finishing in-flight requests",
+                         running=engine.kv_summary()["running"])
+        except Exception as exc:
+            self.load_error = exc
+            log.error("engine failed", error=str(exc), exc_info=exc)
+            self.failed.set()
+
+    async def drain(self) -> None:
+        """Stop taking requests, let running ones finish, close the engine (idempotent)."""
+        self.draining = True
+        task = self._task
+        if task is None or self._stop is None:
+            return
+        engine = self.engine
+        loading = engine is not None and not engine.ready and not task.done()
+        if loading:
+            task.cancel()  # nothing in flight to wait for
+        self._stop.set()
+        await asyncio.wait({task})
+        if loading and engine is not None and engine.mlx is not None:
+            await asyncio.to_thread(engine.mlx.close)  # let the half-done load finish and exit
+
+    # ---- per request -----------------------------------------------------------------------
+
+    @property
+    def status(self) -> str:
+        eng = self.engine
+        if self.load_error is not None:
+            return "failed"
+        if self.draining or (eng is not None and eng.closing):
+            return "shutting_down"
+        if eng is None or not eng.ready:
+            return "loading"
+        return "ok"
+
+    def ready_engine(self) -> Engine:
+        """The engine if it takes requests now, else a 503 that says why."""
+        status = self.status
+        if status == "ok":
+            assert self.engine is not None
+            return self.engine
+        self.metrics.reject(status)
+        message = {"loading": "the model is still loading; retry shortly",
+                   "shutting_down": "the server is shutting down",
+                   "failed": f"the engine failed: {self.load_error}"}[status]
+        headers = {"Retry-After": "2"} if status == "loading" else None
+        raise APIError(503, message, type="server_error", code=status, headers=headers)
+
+    def knows_model(self, name: str | None) -> bool:
+        if name is None or name in DEFAULT_ALIASES or name == self.model_id:
+            return True
+        path = self.engine.loaded.path if self.engine and self.engine.loaded else None
+        return path is not None and name in (path.name, str(path))

@@ -1,0 +1,248 @@
+"""HTTP layer pieces that need no model: request parsing, tool-call parsing, SSE keepalive, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slotserve.api.app import create_app
+from slotserve.api.errors import APIError
+from slotserve.api.schemas import check_response_format, parse_body, parse_chat, parse_completion
+from slotserve.api.server import startup_banner
+from slotserve.api.sse import with_keepalive
+from slotserve.api.tools import ToolCallParser, ToolChoice, parse_tool_calls, with_system_text
+from slotserve.engine import EngineConfig
+
+USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+
+def api_error(fn, *args):  # type: ignore[no-untyped-def]
+    with pytest.raises(APIError) as info:
+        fn(*args)
+    return info.value
+
+
+# ---- request parsing -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (b"", "empty"), (b"{", "malformed JSON"), (b"[1]", "JSON object"),
+    (b'{"temperature": NaN}', "malformed JSON"), (b'{"a": "\\ud800"}', "surrogate"),
+    (b"[" * 100_000, "malformed JSON"),
+])
+def test_parse_body_rejects(raw: bytes, needle: str) -> None:
+    err = api_error(parse_body, raw)
+    assert err.status == 400 and needle in err.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
+    ({"messages": USER, "temperature": "hot"}, "temperature"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ({"messages": USER, "max_completion_tokens": 1.5}, "max_completion_tokens"),
+    ({"messages": USER, "stop": [1]}, "stop"),
+    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": USER, "stream": "yes"}, "stream"),
+    ({"messages": USER, "tools": {}}, "tools"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": USER, "tools": TOOLS, "tool_choice": {"function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_parse_chat_names_the_field(body: dict, param: str) -> None:
+    err = api_error(parse_chat, body)
+    assert err.status == 400 and err.param == param, err.message
+
+
+def test_parse_chat_options() -> None:
+    req = parse_chat({
+        "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                       {"type": "text", "text": "b"}]},
+                     {"role": "assistant", "content": None,
+                      "tool_calls": [{"id": "c1", "type": "function",
+                                      "function": {"name": "f", "arguments": "{}"}}]},
+                     {"role": "tool", "content": "ok", "tool_call_id": "c1"}],
+        "max_tokens": 5, "max_completion_tokens": 7, "stop": "x", "top_k": -1, "seed": 3,
+        "logit_bias": {"42": -100}, "logprobs": True, "top_logprobs": 2,
+        "stream": True, "stream_options": {"include_usage": True},
+        "response_format": {"type": "text"}, "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    })
+    assert req.messages[0] == {"role": "system", "content": "a\nb"}
+    assert req.messages[1]["content"] == "" and req.messages[1]["tool_calls"][0]["id"] == "c1"
+    assert req.options == {"max_tokens": 7, "stop": ["x"], "top_k": 0, "seed": 3,
+                           "logit_bias": {42: -100.0}, "ignore_eos": False, "logprobs": True,
+                           "top_logprobs": 2}
+    assert req.stream and req.include_usage
+    assert req.tool_choice == ToolChoice("function", "get_weather")
+
+
+def test_denormal_temperature_is_greedy() -> None:
+    assert parse_chat({"messages": USER, "temperature": 1e-300}).options["temperature"] == 0.0
+    assert parse_chat({"messages": USER, "temperature": 1e-6}).options["temperature"] == 1e-6
+
+
+def test_response_format_switch() -> None:
+    check_response_format(None)
+    check_response_format({"type": "text"})
+    err = api_error(check_response_format, {"type": "json_object"})
+    assert "not supported yet" in err.message
+
+
+@pytest.mark.parametrize("prompt, expect", [
+    ("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5]),
+])
+def test_completion_prompts(prompt: object, expect: object) -> None:
+    assert parse_completion({"prompt": prompt}).prompt == expect
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"), ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"), ({"prompt": "x", "best_of": 2}, "best_of"),
+])
+def test_parse_completion_rejects(body: dict, param: str) -> None:
+    assert api_error(parse_completion, body).param == param
+
+
+# ---- tool calls ----------------------------------------------------------------------------
+
+AUTO, REQUIRED = ToolChoice("auto"), ToolChoice("required")
+NAMED = ToolChoice("function", "get_weather")
+
+
+def test_hermes_calls() -> None:
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '\n</tool_call>\n<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    content, calls = parse_tool_calls(text, AUTO)
+    assert content.strip() == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("f", {"a": 1})]
+    assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+
+
+def test_unclosed_and_broken_calls() -> None:
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}', AUTO)
+    assert content == "" and calls[0].name == "f"
+    content, calls = parse_tool_calls("<tool_call>not json</tool_call> ok", AUTO)
+    assert calls == [] and content == "<tool_call>not json</tool_call> ok"
+    assert parse_tool_calls("a < b <tool", AUTO) == ("a < b <tool", [])
+
+
+def test_bare_json_only_when_forced() -> None:
+    text = '```json\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n```'
+    assert parse_tool_calls(text, AUTO)[1] == []
+    content, calls = parse_tool_calls(text, REQUIRED)
+    assert content == "" and calls[0].name == "get_weather"
+    content, calls = parse_tool_calls(' {"city": "Rome"}', NAMED)  # just the arguments
+    assert calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
+    assert parse_tool_calls("It is sunny.", REQUIRED) == ("It is sunny.", [])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([
+    'Sure. <tool_call>{"name": "a", "arguments": {"x": [1, 2]}}</tool_call> done',
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}',
+    "plain text with a < sign and <tool partial",
+    "<tool_call>{bad}</tool_call><tool_call>{\"name\": \"b\"}",
+]), st.sampled_from([AUTO, REQUIRED, NAMED]), st.lists(st.integers(0, 80), max_size=8))
+def test_streaming_parser_matches_whole_text(text: str, choice: ToolChoice,
+                                             cuts: list[int]) -> None:
+    """However the text is chunked, streaming yields what parsing it whole yields."""
+    whole, whole_calls = parse_tool_calls(text, choice)
+    parser = ToolCallParser(choice)
+    out, calls = [], []
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        t, c = parser.feed(text[a:b])
+        out.append(t)
+        calls += c
+    t, c = parser.finish()
+    assert "".join(out) + t == whole
+    assert [(x.name, x.arguments) for x in calls + c] == \
+        [(x.name, x.arguments) for x in whole_calls]
+
+
+def test_with_system_text() -> None:
+    assert with_system_text(USER, "T")[0] == {"role": "system", "content": "T"}
+    merged = with_system_text([{"role": "system", "content": "S"}, *USER], "T")
+    assert merged[0]["content"] == "S\n\nT" and len(merged) == 2
+
+
+# ---- SSE keepalive -------------------------------------------------------------------------
+
+
+def test_keepalive_ticks_and_loses_nothing() -> None:
+    async def slow() -> object:
+        for i in range(3):
+            await asyncio.sleep(0.05)
+            yield i
+
+    async def run() -> list[object]:
+        return [x async for x in with_keepalive(slow(), 0.01)]
+
+    items = asyncio.run(run())
+    assert [x for x in items if x is not None] == [0, 1, 2]
+    assert items.count(None) >= 3
+
+
+def test_keepalive_close_closes_source() -> None:
+    closed = asyncio.Event()
+
+    async def endless() -> object:
+        try:
+            while True:
+                await asyncio.sleep(10)
+                yield 1
+        finally:
+            closed.set()
+
+    async def run() -> None:
+        it = with_keepalive(endless(), 0.01)
+        assert await anext(it) is None
+        await it.aclose()
+        assert closed.is_set()
+
+    asyncio.run(run())
+
+
+# ---- app without a model -------------------------------------------------------------------
+
+
+def test_auth_and_health_without_engine() -> None:
+    app = create_app(EngineConfig(), api_key="s3cret", model_id="m")
+
+    async def run() -> None:
+        client = app.test_client()
+        r = await client.get("/health")  # open, and 503: nothing loaded
+        assert r.status_code == 503 and (await r.get_json())["status"] == "loading"
+        r = await client.get("/v1/models")
+        assert r.status_code == 401
+        assert (await r.get_json())["error"]["code"] == "invalid_api_key"
+        r = await client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and (await r.get_json())["data"][0]["id"] == "m"
+        r = await client.post("/v1/chat/completions", json={"messages": USER},
+                              headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 503 and r.headers["Retry-After"]
+
+    asyncio.run(run())
+
+
+def test_banner_has_url_and_curl() -> None:
+    text = startup_banner("0.0.0.0", 8123, api_key="k", model="SmolLM2")
+    assert "http://localhost:8123" in text and "curl" in text and "Bearer" in text
+    assert "k'" not in text  # the key itself is never printed
