@@ -86,6 +86,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_synth(args: argparse.Namespace) -> int:
+    from slotserve.synth import main as synth_main
+
+    return synth_main(args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from slotserve.export import main as export_main
+
+    return export_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotserve", description=__doc__)
     p.add_argument("--log-format", choices=["console", "json"], default="console")
@@ -128,6 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="single-stream numbers only: decode, 512-token prefill, RSS, load")
     b.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     b.set_defaults(fn=cmd_bench)
+
+    # --- synth (random-weight checkpoints of real model shapes; see slotserve.synth) ---
+    y = sub.add_parser("synth", help="write a random-weight checkpoint of a named model shape")
+    y.add_argument("preset", help="llama3-8b, qwen3-30b-a3b, tiny-llama or tiny-moe")
+    y.add_argument("outdir")
+    y.add_argument("--format", dest="fmt", choices=["bf16", "mlx4"], default="mlx4")
+    y.add_argument("--layers", type=int, default=None, help="fewer layers than the preset")
+    y.add_argument("--seed", type=int, default=0)
+    y.add_argument("--tokenizer", default=None,
+                   help="folder with tokenizer.json + tokenizer_config.json "
+                        "(default: $SLOTSERVE_TOKENIZER_DIR, else the bundled SmolLM2)")
+    y.set_defaults(fn=cmd_synth)
+    e = sub.add_parser("export", help="write a Hugging Face directory from a GGUF/HF model")
+    e.add_argument("model", nargs="?", default=None, help="GGUF file or HF dir (default: SmolLM2)")
+    e.add_argument("outdir")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.set_defaults(fn=cmd_export)
     return p
 
 

@@ -15,10 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-ROW_FLOOR = 16
 from slotserve.model import layers
 from slotserve.model.layers import Batch
 from slotserve.model.loader import load
+
+ROW_FLOOR = 16  # matmul rows the model-level invariance checks pad to
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

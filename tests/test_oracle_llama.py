@@ -16,7 +16,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-ROW_FLOOR = 16
 from slotserve.model import layers
 from slotserve.model.chat_template import ChatTemplate
 from slotserve.model.layers import Batch
@@ -30,6 +29,8 @@ from slotserve.model.loader import (
 )
 from slotserve.model.tokenizer import Tokenizer
 from slotserve.model.weights import QuantizedWeight
+
+ROW_FLOOR = 16  # matmul rows the model-level invariance checks pad to
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

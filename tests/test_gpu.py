@@ -1,0 +1,99 @@
+"""Batch and prefix-reuse invariance on the GPU (skipped where MLX has no GPU, e.g. CI).
+
+Tiny synthetic checkpoints (`slotserve.synth`, MLX 4-bit) of a dense and an MoE
+shape, served by the real engine on the GPU: quantized weights stay quantized and
+compute runs in bfloat16, so this is the GPU's own kernels under the standing rules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import pytest
+from engine_harness import EngineHarness
+
+from slotserve.synth import synth
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not mx.is_available(mx.gpu), reason="needs MLX with a GPU"),
+]
+
+PROMPTS = [
+    "Count from one to twenty, please, slowly and carefully.",
+    "Hello there",
+    "Write a long sentence about rivers, mountains, oceans and skies.",
+    "x",
+    "The quick brown fox jumps over the lazy dog again and again.",
+    "What is the answer?",
+    "List the planets of the solar system in order from the sun outwards.",
+    "Why?",
+]
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-moe"])
+def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = Path(tmp_path_factory.mktemp(request.param))
+    synth(request.param, path, "mlx4")
+    h = EngineHarness(path, device="gpu", max_slots=8, max_queue=32, prefill_budget=48)
+    yield h
+    h.close()
+
+
+def options(i: int) -> dict[str, Any]:
+    if i % 2:
+        return {"temperature": 0.8, "seed": i, "max_tokens": 24, "ignore_eos": True}
+    return {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+
+
+def ids(h: EngineHarness, i: int) -> list[int]:
+    return h.engine.render_chat([{"role": "user", "content": PROMPTS[i]}])
+
+
+def test_runs_on_gpu(harness: EngineHarness) -> None:
+    loaded = harness.engine.loaded
+    assert loaded is not None and loaded.device == "gpu"
+    assert loaded.model.dtype == mx.bfloat16
+
+
+def test_batch_invariance(harness: EngineHarness) -> None:
+    """Each request alone and cold, then all 8 together with staggered arrivals."""
+    engine = harness.engine
+    solo = []
+    for i in range(len(PROMPTS)):
+        engine.drop_retained()
+        solo.append(harness.call(lambda i=i: engine.complete(ids(harness, i), **options(i))))
+
+    async def together() -> dict[int, Any]:
+        out: dict[int, Any] = {}
+
+        async def one(i: int, delay: float) -> None:
+            await anyio.sleep(delay)
+            out[i] = await engine.complete(ids(harness, i), **options(i))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i, 0.02 * (i % 3))
+        return out
+
+    engine.drop_retained()
+    batched = harness.call(together)
+    differ = [i for i, c in batched.items() if c.token_ids != solo[i].token_ids]
+    assert not differ, f"prompts {differ} differ in a batch of {len(PROMPTS)}"
+
+
+def test_prefix_reuse_invariance(harness: EngineHarness) -> None:
+    engine = harness.engine
+    for i in (0, 1):  # greedy, seeded
+        engine.drop_retained()
+        first = harness.call(lambda i=i: engine.complete(ids(harness, i), **options(i)))
+        convo = ids(harness, i) + first.token_ids + ids(harness, 5)
+        warm = harness.call(lambda c=convo, i=i: engine.complete(c, **options(i)))
+        assert warm.usage.reused_tokens > 0, "the continuation should reuse the retained prefix"
+        engine.drop_retained()
+        cold = harness.call(lambda c=convo, i=i: engine.complete(c, **options(i)))
+        assert cold.usage.reused_tokens == 0
+        assert warm.token_ids == cold.token_ids
