@@ -28,6 +28,7 @@ from slotserve.actors.batcher import Batcher
 from slotserve.actors.messages import Assign, Cancel, Delta, GenerationRequest, TokenLogprob, Usage
 from slotserve.actors.session import Session
 from slotserve.actors.slot import Slot
+from slotserve.kernels.grammar import Grammar, compile_response_format
 from slotserve.kernels.sampling import SamplingParams
 from slotserve.model.chat_template import ChatTemplate
 from slotserve.model.loader import LoadedModel, load
@@ -183,8 +184,13 @@ class Engine:
     def make_request(self, prompt_ids: list[int], *, max_tokens: int | None = None,
                      stop: list[str] | None = None, logprobs: bool = False,
                      top_logprobs: int = 0, ignore_eos: bool = False,
+                     response_format: dict[str, Any] | Grammar | None = None,
                      **sampling: Any) -> GenerationRequest:
-        """Validate options and build a request (raises ValueError on bad input)."""
+        """Validate options and build a request (raises ValueError on bad input).
+
+        `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+        {"schema": ...}}, or a Grammar compiled beforehand) constrains the output.
+        """
         params = SamplingParams(**sampling)
         params.validate(self.tokenizer.vocab_size)
         if max_tokens is None:
@@ -194,12 +200,17 @@ class Engine:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        grammar = response_format if isinstance(response_format, Grammar) \
+            else compile_response_format(response_format, self.tokenizer)
+        stop_ids = frozenset() if ignore_eos else self.tokenizer.stop_ids
+        if grammar is not None:  # a complete grammar allows only its stop tokens: they end it
+            stop_ids |= grammar.stop_ids
         return GenerationRequest(
             request_id=f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
             prompt_ids=list(prompt_ids), max_tokens=max_tokens, params=params,
             stop=list(stop or []),
-            stop_ids=frozenset() if ignore_eos else self.tokenizer.stop_ids,
-            logprobs=logprobs or top_logprobs > 0, top_logprobs=top_logprobs,
+            stop_ids=stop_ids, logprobs=logprobs or top_logprobs > 0,
+            top_logprobs=top_logprobs, grammar=grammar,
         )
 
     def submit(self, request: GenerationRequest) -> Session:

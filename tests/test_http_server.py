@@ -266,7 +266,8 @@ def test_stream_matches_in_process_engine(srv: BackgroundServer, http: httpx.Cli
     (b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}', 404,
      "model_not_found"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "response_format": '
-     b'{"type": "json_object"}}', 400, "not supported yet"),
+     b'{"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}', 400,
+     "response_format"),
 ])
 def test_bad_chat_requests(http: httpx.Client, body: bytes, status: int, needle: str) -> None:
     r = http.post("/v1/chat/completions", content=body,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from slotserve.kernels.grammar import Grammar
 from slotserve.kernels.sampling import SamplingParams
 from slotserve.runtime.runner import Sampled
 
@@ -22,6 +23,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     arrived: float = field(default_factory=time.perf_counter)
+    grammar: Grammar | None = None  # constrained decoding (response_format)
 
 
 @dataclass

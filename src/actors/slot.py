@@ -30,6 +30,7 @@ from slotserve.actors.messages import (
     TokenLogprob,
     Usage,
 )
+from slotserve.kernels.grammar import Matcher
 from slotserve.kernels.sampling import RowState
 from slotserve.model.kv import SlotKV
 from slotserve.runtime.runner import RowWork
@@ -73,6 +74,7 @@ class Slot(Actor[SlotMessage]):
         self.generated = 0
         self.reused = 0
         self.state: RowState | None = None
+        self.matcher: Matcher | None = None  # the request's grammar position, if constrained
         self.arrived_at = 0.0
 
     # ---- read by admission and the Batcher (same event loop, no awaits) -----------
@@ -96,6 +98,7 @@ class Slot(Actor[SlotMessage]):
             slot_id=self.id, kv=self.kv, start=len(self.ledger), tokens=self.pending[:n],
             sample=n == len(self.pending), params=req.params, state=self.state,
             draw=self.generated, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+            grammar=self.matcher,
         )
 
     @property
@@ -141,6 +144,7 @@ class Slot(Actor[SlotMessage]):
         self.generated = 0
         self.parked = False
         self.state = RowState(req.params, req.prompt_ids)
+        self.matcher = req.grammar.matcher() if req.grammar is not None else None
         self.arrived_at = req.arrived
         self.batcher.tell(Ready(self.id, self.epoch))
 
@@ -164,6 +168,8 @@ class Slot(Actor[SlotMessage]):
                 return
             lp = None if s.logprob is None else TokenLogprob(s.token, s.logprob, s.top_logprobs)
             session.tell(TokenEvent(s.token, lp))
+            if self.matcher is not None and self._grammar_done():
+                return
             if self.generated >= req.max_tokens:
                 self._finish("length")
                 self.batcher.tell(Parked(self.id))
@@ -174,6 +180,17 @@ class Slot(Actor[SlotMessage]):
         else:  # backpressure: skip ticks until the session drains
             self.parked = True
             self.batcher.tell(Parked(self.id))
+
+    def _grammar_done(self) -> bool:
+        """Finish when the grammar is complete (only a stop token could follow) or broken."""
+        assert self.matcher is not None
+        error = self.matcher.error
+        if error is None and not self.matcher.stopped:
+            return False
+        self._finish("error" if error else "stop",
+                     f"constrained decoding failed: {error}" if error else None)
+        self.batcher.tell(Parked(self.id))
+        return True
 
     def _idle(self) -> None:
         if not self.busy and self.on_idle is not None:
@@ -186,6 +203,7 @@ class Slot(Actor[SlotMessage]):
         self.request = None
         self.session = None
         self.state = None
+        self.matcher = None
         self.pending = []
         self.busy = False
         self.parked = False

@@ -17,7 +17,7 @@ import structlog
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from slotserve.api import generation
+from slotserve.api import anthropic, generation
 from slotserve.api.errors import HTTP_ERRORS, APIError, error_body, json_response
 from slotserve.api.schemas import parse_body, parse_chat, parse_completion
 from slotserve.api.state import AppState, Settings
@@ -59,6 +59,12 @@ def create_app(engine_config: EngineConfig | None = None, api_key: str | None = 
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
                                                               key.encode()):
             return None
+        if anthropic.is_anthropic_path(request.path):  # Anthropic clients send x-api-key
+            x_key = request.headers.get("x-api-key", "")
+            if hmac.compare_digest(x_key.strip().encode(), key.encode()):
+                return None
+            return anthropic.error_response(401, "invalid or missing API key (send "
+                                                 "'x-api-key: <key>')")
         return json_response(error_body("invalid or missing API key (send 'Authorization: "
                                         "Bearer <key>')", code="invalid_api_key"), 401,
                              {"WWW-Authenticate": "Bearer"})
@@ -75,6 +81,8 @@ def create_app(engine_config: EngineConfig | None = None, api_key: str | None = 
 
     @app.errorhandler(APIError)
     async def api_error(exc: APIError) -> Response:
+        if anthropic.is_anthropic_path(request.path):
+            return anthropic.api_error_response(exc)
         return exc.response()
 
     @app.errorhandler(HTTPException)
@@ -86,11 +94,15 @@ def create_app(engine_config: EngineConfig | None = None, api_key: str | None = 
                    413: f"request body larger than {max_body_bytes} bytes"}.get(
                        status, exc.description or exc.name)
         headers = {k: v for k, v in exc.get_headers() if k.lower() == "allow"}
+        if anthropic.is_anthropic_path(request.path):
+            return anthropic.error_response(status, message, headers)
         return json_response(error_body(message, type=kind, code=code), status, headers)
 
     @app.errorhandler(Exception)
     async def internal_error(exc: Exception) -> Response:
         log.error("unhandled error", path=request.path, exc_info=exc)
+        if anthropic.is_anthropic_path(request.path):
+            return anthropic.error_response(500, f"internal error: {type(exc).__name__}")
         return json_response(error_body(f"internal error: {type(exc).__name__}",
                                         type="server_error", code="internal_error"), 500)
 
@@ -116,6 +128,12 @@ def create_app(engine_config: EngineConfig | None = None, api_key: str | None = 
         req = parse_completion(await body())
         check_model(req.model)
         return await generation.completion(state, req)
+
+    @app.post(anthropic.PATH)
+    async def messages() -> Response:
+        req = anthropic.parse_messages(await body())
+        check_model(req.model)
+        return await anthropic.messages(state, req)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -12,6 +12,7 @@ import contextlib
 import re
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from quart import Response
@@ -29,8 +30,15 @@ from slotserve.api.responses import LogprobFormatter, ResponseIds
 from slotserve.api.schemas import FLOAT_KNOBS, ChatRequest, CompletionRequest
 from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
 from slotserve.api.state import AppState
-from slotserve.api.tools import ToolCall, ToolCallParser, tool_instructions, with_system_text
+from slotserve.api.tools import (
+    ToolCall,
+    ToolCallParser,
+    ToolChoice,
+    tool_instructions,
+    with_system_text,
+)
 from slotserve.engine import Engine, EngineClosedError
+from slotserve.kernels.grammar import Grammar, compile_response_format
 
 _FIELD = re.compile(r"^'?([a-z_]+)")  # engine messages start with the knob they reject
 _KNOBS = frozenset({*FLOAT_KNOBS, "top_k", "seed", "logit_bias", "max_tokens", "stop",
@@ -72,6 +80,19 @@ def submit(state: AppState, engine: Engine, prompt_ids: list[int],
         state.metrics.reject("shutting_down")
         raise APIError(503, "the server is shutting down", type="server_error",
                        code="shutting_down") from None
+
+
+async def compile_grammar(engine: Engine, options: dict[str, Any]) -> dict[str, Any]:
+    """Compile a `response_format` off the event loop (the first one also builds the grammar
+    tokenizer, a fraction of a second); a schema that cannot be honoured is a 400."""
+    fmt = options.get("response_format")
+    if fmt is None or isinstance(fmt, Grammar):
+        return options
+    try:
+        grammar = await asyncio.to_thread(compile_response_format, fmt, engine.tokenizer)
+    except ValueError as exc:
+        raise bad_request(str(exc), "response_format", "invalid_response_format") from None
+    return {**options, "response_format": grammar}
 
 
 async def deltas(engine: Engine, session: Session) -> AsyncGenerator[Delta, None]:
@@ -117,26 +138,55 @@ def stream_response(body: AsyncIterator[bytes]) -> Response:
 # ---- chat ----------------------------------------------------------------------------------
 
 
-async def chat(state: AppState, req: ChatRequest) -> Response:
+@dataclass
+class ChatRun:
+    """A chat request admitted to the engine: its deltas, and the parser for its tool calls."""
+
+    engine: Engine
+    session: Session
+    stream: AsyncGenerator[Delta, None]
+    parser: ToolCallParser | None
+    prompt_tokens: int
+
+
+async def start_chat(state: AppState, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None, choice: ToolChoice,
+                     options: dict[str, Any], prefill: str = "") -> ChatRun:
+    """Render (tool instructions included), compile any grammar, and submit a chat request.
+
+    `prefill`: text the assistant's reply starts with (already written; not generated).
+    """
     engine = state.ready_engine()
-    choice = req.tool_choice
-    tools = req.tools if choice.mode != "none" else None
+    tools = tools if choice.mode != "none" else None
     if tools and choice.mode == "function":
         tools = [t for t in tools if t["function"]["name"] == choice.name]
-    messages = req.messages
     if tools:
         note = tool_instructions(tools, choice, state.template_lists_tools)
         if note:
             messages = with_system_text(messages, note)
+
+    def render() -> list[int]:
+        if not prefill:
+            return engine.render_chat(messages, tools)
+        assert engine.template is not None
+        text = engine.template.render(messages, tools=tools, add_generation_prompt=True)
+        return engine.tokenizer.encode(text + prefill, add_special=True)
+
     try:
-        ids = await asyncio.to_thread(engine.render_chat, messages, tools)
+        ids = await asyncio.to_thread(render)
     except ValueError as exc:  # TemplateError: the template rejected these messages
         raise bad_request(str(exc), "messages") from None
-    session = submit(state, engine, ids, req.options, "messages")
+    options = await compile_grammar(engine, options)
+    session = submit(state, engine, ids, options, "messages")
     stream = open_stream(state, engine, session)
+    return ChatRun(engine, session, stream, ToolCallParser(choice) if tools else None, len(ids))
+
+
+async def chat(state: AppState, req: ChatRequest) -> Response:
+    run = await start_chat(state, req.messages, req.tools, req.tool_choice, req.options)
+    engine, stream, parser = run.engine, run.stream, run.parser
     fmt = LogprobFormatter(engine.tokenizer)
     rid = ResponseIds(state.model_id)
-    parser = ToolCallParser(choice) if tools else None
     if req.stream:
         return stream_response(_chat_events(state, req, stream, fmt, rid, parser))
     text, lps, final = await _collect(stream)
@@ -245,7 +295,8 @@ async def completion(state: AppState, req: CompletionRequest) -> Response:
             raise bad_request(f"prompt token id {bad} is out of range [0, {tok.vocab_size})",
                               "prompt")
         ids = list(req.prompt)
-    session = submit(state, engine, ids, req.options, "prompt")
+    options = await compile_grammar(engine, req.options)
+    session = submit(state, engine, ids, options, "prompt")
     stream = open_stream(state, engine, session)
     fmt = LogprobFormatter(tok)
     rid = ResponseIds(state.model_id, prefix="cmpl")

@@ -131,17 +131,35 @@ def _object(value: Any, name: str) -> dict[str, Any]:
 # ---- shared options ------------------------------------------------------------------------
 
 
-def check_response_format(value: Any) -> None:
-    """The switch for constrained decoding: only plain text until JSON modes land."""
+def check_response_format(value: Any) -> dict[str, Any] | None:
+    """`response_format` -> the engine's `response_format` option (None: plain text).
+
+    Only the shape is checked here; the schema itself is compiled when the request is made, and
+    one llguidance cannot honour is refused then, also with a 400 naming response_format.
+    """
     if value is None:
-        return
+        return None
     fmt = _object(value, "response_format")
     kind = fmt.get("type")
     if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise APIError(400, f"response_format {kind!r} is not supported yet",
-                       param="response_format", code="unsupported_response_format")
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request("'response_format.json_schema' must be an object: {'name': ..., "
+                              "'schema': {...}, 'strict': ...}", "response_format")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise bad_request(f"'response_format.json_schema.schema' must be a JSON Schema "
+                              f"object, got {_kind(schema)}", "response_format")
+        for key, types, what in (("name", str, "a string"), ("strict", bool, "a boolean")):
+            if spec.get(key) is not None and not isinstance(spec[key], types):
+                raise bad_request(f"'response_format.json_schema.{key}' must be {what}",
+                                  "response_format")
+        return {"type": "json_schema", "json_schema": {
+            "name": spec.get("name"), "schema": schema, "strict": spec.get("strict")}}
     raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', "
                       f"got {kind!r}", "response_format")
 
@@ -208,7 +226,9 @@ def _options(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> dict[str
     if stop:
         opts["stop"] = stop
     opts["ignore_eos"] = _bool(body, "ignore_eos")
-    check_response_format(body.get("response_format"))
+    fmt = check_response_format(body.get("response_format"))
+    if fmt is not None:
+        opts["response_format"] = fmt
     return opts
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from math import inf
 
 import mlx.core as mx
 
+from slotserve.kernels.grammar import Matcher, apply_masks
 from slotserve.kernels.sampling import RowState, SamplingParams, sample_rows
 from slotserve.model.kv import SlotKV
 from slotserve.model.layers import Batch
@@ -27,6 +29,7 @@ class RowWork:
     logprobs: bool = False
     top_logprobs: int = 0
     epoch: int = 0  # the slot's request epoch when planned (opaque to the runner)
+    grammar: Matcher | None = None  # constrained decoding: mask this row, then advance it
 
 
 @dataclass
@@ -77,6 +80,9 @@ class ModelRunner:
     def _sample(logits: mx.array, work: list[RowWork]) -> dict[int, Sampled]:
         want_lp = any(w.logprobs or w.top_logprobs for w in work)
         top = max((w.top_logprobs for w in work), default=0)
+        constrained = [(i, w.grammar) for i, w in enumerate(work) if w.grammar is not None]
+        if constrained:  # only these rows change; every other row keeps its exact logits
+            logits = apply_masks(logits, [i for i, _ in constrained], [m for _, m in constrained])
         res = sample_rows(
             logits, [w.params for w in work], [w.state for w in work], [w.draw for w in work],
             logprobs=want_lp, top_logprobs=top,
@@ -89,4 +95,9 @@ class ModelRunner:
                 if w.top_logprobs and res.top_logprobs is not None:
                     s.top_logprobs = res.top_logprobs[i][: w.top_logprobs]
             out[w.slot_id] = s
+        for i, m in constrained:
+            m.consume(res.tokens[i])
+            top_lps = out[work[i].slot_id].top_logprobs
+            if top_lps:  # alternatives the grammar forbade have logprob -inf: not reported
+                out[work[i].slot_id].top_logprobs = [(t, v) for t, v in top_lps if v > -inf]
         return out

@@ -1,0 +1,477 @@
+"""Anthropic's Messages API (`POST /v1/messages`) over the same engine as the OpenAI routes.
+
+Requests become the same chat-template messages, tool instructions and engine options as
+`/v1/chat/completions`; tool calls are found by the same parser (`slotserve.api.tools`). Answers
+are Anthropic-shaped: a message with text / tool_use content blocks, or the SSE event sequence
+message_start, content_block_start / _delta / _stop per block, message_delta, message_stop.
+Errors, before a stream starts or inside it, are `{"type": "error", "error": {type, message}}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from quart import Response
+
+from slotserve.actors.messages import Delta
+from slotserve.api.errors import APIError, bad_request
+from slotserve.api.generation import ChatRun, engine_failure, start_chat, stream_response
+from slotserve.api.schemas import MAX_STOP, TINY_TEMPERATURE
+from slotserve.api.sse import with_keepalive
+from slotserve.api.state import AppState
+from slotserve.api.tools import CLOSE, OPEN, ToolCall, ToolChoice
+
+PATH = "/v1/messages"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == PATH or path.startswith(PATH + "/")
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def error_payload(status: int, message: str) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(error_payload(status, message), ensure_ascii=False),
+                    status=status, headers=headers, content_type="application/json")
+
+
+def api_error_response(exc: APIError) -> Response:
+    """An error raised by the shared request code, in Anthropic's shape and status."""
+    return error_response(exc.status, exc.message, exc.headers)
+
+
+def sse(kind: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + json.dumps(payload, ensure_ascii=False).encode() \
+        + b"\n\n"
+
+
+# ---- the request ---------------------------------------------------------------------------
+
+
+@dataclass
+class MessagesRequest:
+    messages: list[dict[str, Any]]  # Anthropic-shaped, checked; converted once the engine is up
+    max_tokens: int
+    model: str | None = None
+    system: str | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None  # OpenAI-shaped, for the shared tool code
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(
+                type(value), type(value).__name__)
+
+
+def _number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(f"{key}: must be a number, got {_kind(value)}", key)
+    return float(value)
+
+
+def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise bad_request(f"{key}: must be an integer >= {lo}, got {value!r}", key)
+    return value
+
+
+def _text_blocks(value: Any, where: str) -> str:
+    """A string, or a list of text blocks joined by newlines."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(f"{where}: must be a string or an array of text blocks", where)
+    parts = []
+    for j, block in enumerate(value):
+        if not isinstance(block, dict) or block.get("type") != "text" \
+                or not isinstance(block.get("text"), str):
+            raise bad_request(f"{where}.{j}: must be {{'type': 'text', 'text': <string>}}", where)
+        parts.append(block["text"])
+    return "\n".join(parts)
+
+
+def parse_messages(body: dict[str, Any]) -> MessagesRequest:
+    max_tokens = _int(body, "max_tokens", 1)
+    if max_tokens is None:
+        raise bad_request("max_tokens: field required", "max_tokens")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model: must be a string, got {_kind(model)}", "model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages: must be a non-empty array of messages", "messages")
+    checked = [_message(m, i) for i, m in enumerate(messages)]
+    system = body.get("system")
+    system_text = None if system is None else _text_blocks(system, "system")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream: must be a boolean", "stream")
+    tools = _tools(body.get("tools"))
+    return MessagesRequest(messages=checked, max_tokens=max_tokens, model=model,
+                           system=system_text, stream=stream, tools=tools,
+                           tool_choice=_tool_choice(body.get("tool_choice"), tools),
+                           options=_options(body, max_tokens))
+
+
+def _options(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    opts: dict[str, Any] = {"max_tokens": max_tokens}
+    for key in ("temperature", "top_p"):
+        value = _number(body, key)
+        if value is not None:
+            opts[key] = value
+    if 0.0 < opts.get("temperature", 1.0) < TINY_TEMPERATURE:
+        opts["temperature"] = 0.0
+    top_k = _int(body, "top_k", 0)
+    if top_k is not None:
+        opts["top_k"] = top_k
+    stop = body.get("stop_sequences")
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad_request("stop_sequences: must be an array of strings", "stop_sequences")
+        if len(stop) > MAX_STOP:
+            raise bad_request(f"stop_sequences: at most {MAX_STOP} allowed", "stop_sequences")
+        if stop:
+            opts["stop"] = stop
+    return opts
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    where = f"messages.{i}"
+    if not isinstance(m, dict):
+        raise bad_request(f"{where}: must be an object", where)
+    role = m.get("role")
+    if role not in ("user", "assistant"):
+        raise bad_request(f"{where}.role: must be 'user' or 'assistant', got {role!r}", where)
+    content = m.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": [{"type": "text", "text": content}]}
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content: must be a string or an array of content blocks",
+                          where)
+    allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use")
+    blocks = []
+    for j, block in enumerate(content):
+        at = f"{where}.content.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in allowed:
+            raise bad_request(f"{at}: content blocks of type {kind!r} are not supported in "
+                              f"{role} messages (supported: {', '.join(allowed)})", where)
+        if kind == "text" and not isinstance(block.get("text"), str):
+            raise bad_request(f"{at}.text: must be a string", where)
+        if kind == "tool_use":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
+                raise bad_request(f"{at}: tool_use needs a string 'id' and 'name'", where)
+            if not isinstance(block.get("input", {}), dict):
+                raise bad_request(f"{at}.input: must be an object", where)
+        if kind == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise bad_request(f"{at}.tool_use_id: must be a string", where)
+            block = {**block, "content": _text_blocks(block.get("content", ""),
+                                                      f"{at}.content")}
+        blocks.append(block)
+    return {"role": role, "content": blocks}
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise bad_request(f"tools: must be an array, got {_kind(value)}", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise bad_request(f"{where}: must be an object", where)
+        if tool.get("type", "custom") != "custom":
+            raise bad_request(f"{where}: tools of type {tool.get('type')!r} are not supported "
+                              f"(only client tools with an input_schema)", where)
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"{where}.name: must be a non-empty string", where)
+        if not isinstance(schema, dict):
+            raise bad_request(f"{where}.input_schema: must be a JSON Schema object", where)
+        fn: dict[str, Any] = {"name": name, "parameters": schema}
+        if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise bad_request(f"{where}.description: must be a string", where)
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "none" or (kind == "auto" and not tools):
+        return ToolChoice("none")
+    if kind == "auto":
+        return ToolChoice("auto")
+    if kind in ("any", "tool") and not tools:
+        raise bad_request(f"tool_choice: {kind!r} needs 'tools'", "tool_choice")
+    if kind == "any":
+        return ToolChoice("required")
+    if kind == "tool":
+        name = value.get("name")
+        if not any(t["function"]["name"] == name for t in tools or []):
+            raise bad_request(f"tool_choice: the tool {name!r} is not in 'tools'", "tool_choice")
+        return ToolChoice("function", name)
+    raise bad_request("tool_choice: must be {'type': 'auto' | 'any' | 'none'} or "
+                      "{'type': 'tool', 'name': ...}", "tool_choice")
+
+
+def chat_messages(req: MessagesRequest, inline_calls: bool) -> tuple[list[dict[str, Any]], str]:
+    """Anthropic messages -> chat-template messages, and the assistant prefill (the text of a
+    final assistant message, which the reply continues).
+
+    tool_result blocks become `tool` messages; tool_use blocks become `tool_calls`, or, for a
+    template that does not render those (`inline_calls`), the Hermes text the model writes.
+    """
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": req.system})
+    prefill = ""
+    last = len(req.messages) - 1
+    for i, m in enumerate(req.messages):
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for block in m["content"]:
+            if block["type"] == "text":
+                texts.append(block["text"])
+            elif block["type"] == "tool_result":
+                text = block["content"]
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": f"Error: {text}" if block.get("is_error") else text})
+            else:  # tool_use
+                calls.append({"id": block["id"], "type": "function", "function": {
+                    "name": block["name"],
+                    "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+        text = "".join(texts) if m["role"] == "assistant" else "\n".join(texts)
+        if m["role"] == "assistant" and i == last and not calls:
+            prefill = text
+            continue
+        if calls and inline_calls:
+            text += "".join(
+                f'{OPEN}{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+                f'{c["function"]["arguments"]}}}{CLOSE}' for c in calls)
+            calls = []
+        if texts or calls or m["role"] == "assistant":
+            msg: dict[str, Any] = {"role": m["role"], "content": text}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out, prefill
+
+
+# ---- the answer ----------------------------------------------------------------------------
+
+
+def _message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_use_id(call: ToolCall) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+class Blocks:
+    """Generated text and tool calls -> content-block events, shared by both answer modes.
+
+    A text block opens at the first text that is not only whitespace (whitespace before a tool
+    call is dropped); a tool call closes any open text block and is one tool_use block.
+    """
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open = False
+        self.pending = ""
+        self.calls = 0
+
+    def text(self, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        if not text:
+            return
+        if not self.open:
+            self.pending += text
+            if not self.pending.strip():
+                return
+            text, self.pending = self.pending, ""
+            yield from self._start({"type": "text", "text": ""})
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "text_delta", "text": text}}
+
+    def call(self, call: ToolCall) -> Iterator[tuple[str, dict[str, Any]]]:
+        yield from self.close()
+        self.pending = ""
+        self.calls += 1
+        yield from self._start({"type": "tool_use", "id": _tool_use_id(call), "name": call.name,
+                                "input": {}})
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "input_json_delta",
+                                                "partial_json": call.arguments}}
+        yield from self.close()
+
+    def finish(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """End: close the open block; a reply with no block at all gets one text block."""
+        if self.index < 0:
+            yield from self._start({"type": "text", "text": ""})
+            if self.pending:
+                yield "content_block_delta", {
+                    "type": "content_block_delta", "index": self.index,
+                    "delta": {"type": "text_delta", "text": self.pending}}
+        yield from self.close()
+
+    def close(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        if self.open:
+            self.open = False
+            yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+
+    def _start(self, block: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+        self.index += 1
+        self.open = True
+        yield "content_block_start", {"type": "content_block_start", "index": self.index,
+                                      "content_block": block}
+
+
+class Answer:
+    """One reply being built: block events from deltas, then the stop reason."""
+
+    def __init__(self, run: ChatRun) -> None:
+        self.run = run
+        self.blocks = Blocks()
+
+    def feed(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        parser = self.run.parser
+        text, calls = parser.feed(text) if parser is not None else (text, [])
+        return self._emit(text, calls)
+
+    def finish(self) -> list[tuple[str, dict[str, Any]]]:
+        out = self._emit(*self.run.parser.finish()) if self.run.parser is not None else []
+        return out + list(self.blocks.finish())
+
+    def _emit(self, text: str, calls: list[ToolCall]) -> list[tuple[str, dict[str, Any]]]:
+        out = list(self.blocks.text(text))
+        for call in calls:
+            out += self.blocks.call(call)
+        return out
+
+    def stop(self, final: Delta) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) for a reply that ended with stop or length."""
+        if self.blocks.calls:
+            return "tool_use", None
+        if final.finish_reason == "length":
+            return "max_tokens", None
+        stops = self.run.session.stops
+        if stops is not None and stops.matched is not None:
+            return "stop_sequence", stops.matched
+        return "end_turn", None
+
+
+def _usage(run: ChatRun, final: Delta | None) -> dict[str, int]:
+    done = final.usage.completion_tokens if final is not None and final.usage else 0
+    return {"input_tokens": run.prompt_tokens, "output_tokens": done}
+
+
+async def messages(state: AppState, req: MessagesRequest) -> Response:
+    engine = state.ready_engine()
+    assert engine.template is not None
+    msgs, prefill = chat_messages(req, inline_calls="tool_calls" not in engine.template.source)
+    run = await start_chat(state, msgs, req.tools, req.tool_choice, req.options, prefill)
+    ids = (_message_id(), state.model_id)
+    if req.stream:
+        return stream_response(_events(state, run, *ids))
+    answer = Answer(run)
+    content: list[dict[str, Any]] = []
+    final: Delta | None = None
+    text_of: dict[int, list[str]] = {}
+    async with contextlib.aclosing(run.stream) as stream:
+        async for d in stream:
+            if d.finish_reason is not None:
+                final = d
+                break
+            _apply(answer.feed(d.text), content, text_of)
+    if final is None or final.finish_reason not in ("stop", "length"):
+        err = engine_failure(final or Delta(finish_reason="error", error="no result"))
+        return error_response(err.status, err.message, err.headers)
+    _apply(answer.finish(), content, text_of)
+    reason, sequence = answer.stop(final)
+    return Response(json.dumps({
+        "id": ids[0], "type": "message", "role": "assistant", "model": ids[1],
+        "content": content, "stop_reason": reason, "stop_sequence": sequence,
+        "usage": _usage(run, final)}, ensure_ascii=False), content_type="application/json")
+
+
+def _apply(events: list[tuple[str, dict[str, Any]]], content: list[dict[str, Any]],
+           text_of: dict[int, list[str]]) -> None:
+    """Fold block events into the non-streaming content list."""
+    for kind, ev in events:
+        if kind == "content_block_start":
+            content.append(dict(ev["content_block"]))
+            text_of[ev["index"]] = []
+        elif kind == "content_block_delta":
+            delta = ev["delta"]
+            text_of[ev["index"]].append(delta.get("text", delta.get("partial_json", "")))
+        elif kind == "content_block_stop":
+            block, joined = content[ev["index"]], "".join(text_of[ev["index"]])
+            if block["type"] == "text":
+                block["text"] = joined
+            else:
+                block["input"] = json.loads(joined) if joined else {}
+
+
+async def _events(state: AppState, run: ChatRun, msg_id: str,
+                  model: str) -> AsyncIterator[bytes]:
+    answer = Answer(run)
+    yield sse("message_start", {"type": "message_start", "message": {
+        "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0}}})
+    final: Delta | None = None
+    async with contextlib.aclosing(with_keepalive(run.stream,
+                                                  state.settings.keepalive_interval)) as items:
+        async for d in items:
+            if d is None:
+                yield PING
+                continue
+            if d.finish_reason is not None:
+                final = d
+                break
+            for kind, ev in answer.feed(d.text):
+                yield sse(kind, ev)
+    if final is None or final.finish_reason not in ("stop", "length"):
+        err = engine_failure(final or Delta(finish_reason="error", error="stream ended early"))
+        yield sse("error", error_payload(err.status, err.message))
+        return
+    for kind, ev in answer.finish():
+        yield sse(kind, ev)
+    reason, sequence = answer.stop(final)
+    yield sse("message_delta", {"type": "message_delta",
+                                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                "usage": {"output_tokens": _usage(run, final)["output_tokens"]}})
+    yield sse("message_stop", {"type": "message_stop"})

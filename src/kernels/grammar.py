@@ -1,0 +1,180 @@
+"""Constrained decoding with llguidance: `response_format` -> grammar -> per-row token masks.
+
+    grammar = compile_response_format({"type": "json_object"}, tokenizer)   # ValueError if bad
+    matcher = grammar.matcher()               # one per request, owned by its slot
+    logits = apply_masks(logits, rows, [matcher, ...])    # in the fused step, before sampling
+    matcher.consume(token)                    # after sampling
+
+The llguidance tokenizer (the vocabulary as bytes plus a token trie) costs a fraction of a
+second to build, so it is built once per slotserve tokenizer and cached. A grammar is compiled
+and checked when the request is made (a bad schema is refused before anything runs); each request
+then starts from a copy of the compiled matcher.
+
+Masks only ever touch the constrained rows: those rows are gathered, disallowed tokens set to
+-inf, and scattered back, so every other row's logits keep their exact bits.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+import structlog
+
+__all__ = ["Grammar", "Matcher", "apply_masks", "compile_response_format", "ll_tokenizer"]
+
+log = structlog.get_logger("slotserve.grammar")
+
+# JSON as models write it ({"a": 1, "b": 2}), with no free whitespace: a small model left free
+# to add newlines or spaces between tokens can loop on them until max_tokens.
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+                                 "key_separator": ": "}
+_ANY_OBJECT = {"type": "object"}
+
+_cache: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_cache_lock = threading.Lock()
+
+
+class _Vocab:
+    """What llguidance's TokenizerWrapper reads from a tokenizer: token bytes and an encoder."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens = tokenizer.all_token_bytes()
+        self.special_token_ids = sorted(tokenizer.special_ids)
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special=False)
+
+
+def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
+    """The llguidance tokenizer for a slotserve Tokenizer, built once and cached."""
+    with _cache_lock:
+        cached = _cache.get(tokenizer)
+        if cached is None:
+            eos = sorted(tokenizer.stop_ids) or tokenizer.eos_id
+            cached = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tokenizer)),
+                                            n_vocab=tokenizer.vocab_size, eos_token=eos)
+            _cache[tokenizer] = cached
+            log.info("grammar tokenizer built", vocab=cached.vocab_size, eos=cached.eos_tokens)
+        return cached
+
+
+class Grammar:
+    """A compiled, validated grammar for one tokenizer; `matcher()` starts a fresh match."""
+
+    def __init__(self, kind: str, source: str, lltok: llguidance.LLTokenizer) -> None:
+        self.kind = kind
+        self.source = source
+        self._proto = llguidance.LLMatcher(lltok, source, log_level=0)
+        if self._proto.is_error():
+            raise ValueError(f"response_format: invalid {kind}: {self._proto.get_error()}")
+        # the tokens the grammar allows once it is complete; they end the request
+        self.stop_ids = frozenset(lltok.eos_tokens)
+        self.vocab_size = lltok.vocab_size
+
+    def matcher(self) -> Matcher:
+        return Matcher(self._proto.deep_copy(), self.stop_ids, self.vocab_size)
+
+
+class Matcher:
+    """One request's position in its grammar. Used on the MLX thread during a step and by the
+    request's slot between steps, never both at once."""
+
+    __slots__ = ("_m", "stop_ids", "vocab_size")
+
+    def __init__(self, matcher: llguidance.LLMatcher, stop_ids: frozenset[int],
+                 vocab_size: int) -> None:
+        self._m = matcher
+        self.stop_ids = stop_ids
+        self.vocab_size = vocab_size
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        """Write the allowed-token bitmask (int32 words, bit i of word j = token 32j+i)."""
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def consume(self, token: int) -> bool:
+        return self._m.consume_token(token)
+
+    @property
+    def stopped(self) -> bool:
+        """Complete: nothing but a stop token may follow (also true in the error state)."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+
+def compile_response_format(fmt: Mapping[str, Any] | None, tokenizer: Any) -> Grammar | None:
+    """An OpenAI `response_format` -> a Grammar (None for plain text); ValueError names the
+    problem."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping):
+        raise ValueError("response_format must be an object")
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        schema: Any = _ANY_OBJECT
+        options = dict(_JSON_OPTIONS)
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise ValueError("response_format.json_schema must be an object holding 'schema'")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, Mapping | bool):
+            raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError("response_format.json_schema.strict must be a boolean")
+        # strict: every keyword must be honoured (unknown ones are an error); otherwise best
+        # effort, ignoring keywords llguidance does not implement
+        options = {**_JSON_OPTIONS, "lenient": not strict}
+    else:
+        raise ValueError(f"response_format.type must be 'text', 'json_object' or "
+                         f"'json_schema', got {kind!r}")
+    try:
+        text = json.dumps(schema)
+        source = llguidance.LLMatcher.grammar_from_json_schema(
+            text, overrides=options)  # type: ignore[arg-type]
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ValueError(f"response_format: invalid {kind}: {exc}") from None
+    return Grammar(kind, source, ll_tokenizer(tokenizer))
+
+
+def apply_masks(logits: mx.array, rows: Sequence[int],
+                matchers: Sequence[Matcher]) -> mx.array:
+    """Set the tokens each matcher forbids to -inf in its row of `logits` [N, V].
+
+    Only the listed rows are gathered, masked and scattered back; the others are untouched. A
+    row whose grammar allows nothing within the vocabulary (should not happen) may only stop.
+    """
+    vocab = logits.shape[1]
+    words = (matchers[0].vocab_size + 31) // 32  # llguidance wants exactly its own size
+    bits = np.zeros((len(rows), words), np.int32)
+    for i, m in enumerate(matchers):
+        m.fill_mask(bits[i])
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    if allowed.shape[1] < vocab:  # padded lm_head: tokens the tokenizer lacks stay forbidden
+        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    allowed = allowed[:, :vocab]
+    for i in np.nonzero(~allowed.any(axis=1))[0]:
+        allowed[i, [t for t in matchers[i].stop_ids if t < vocab]] = True
+    sel = mx.array(np.asarray(rows, np.int32))
+    masked = mx.where(mx.array(allowed), mx.take(logits, sel, axis=0),
+                      mx.array(-np.inf, dtype=logits.dtype))
+    out = mx.array(logits)
+    out[sel] = masked
+    return out
