@@ -20,12 +20,14 @@ import json
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
 import mlx.core as mx
 import numpy as np
 import structlog
+
+if TYPE_CHECKING:  # llguidance is imported when the first grammar is compiled
+    import llguidance
 
 __all__ = ["Grammar", "Matcher", "apply_masks", "compile_response_format", "ll_tokenizer"]
 
@@ -37,7 +39,9 @@ _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator":
                                  "key_separator": ": "}
 _ANY_OBJECT = {"type": "object"}
 
-_cache: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = (
+    weakref.WeakKeyDictionary()
+)
 _cache_lock = threading.Lock()
 
 
@@ -63,6 +67,8 @@ def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
         cached = _cache.get(tokenizer)
         if cached is None:
             eos = sorted(tokenizer.stop_ids) or tokenizer.eos_id
+            import llguidance
+
             cached = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tokenizer)),
                                             n_vocab=tokenizer.vocab_size, eos_token=eos)
             _cache[tokenizer] = cached
@@ -76,6 +82,8 @@ class Grammar:
     def __init__(self, kind: str, source: str, lltok: llguidance.LLTokenizer) -> None:
         self.kind = kind
         self.source = source
+        import llguidance
+
         self._proto = llguidance.LLMatcher(lltok, source, log_level=0)
         if self._proto.is_error():
             raise ValueError(f"response_format: invalid {kind}: {self._proto.get_error()}")
@@ -147,6 +155,8 @@ def compile_response_format(fmt: Mapping[str, Any] | None, tokenizer: Any) -> Gr
                          f"'json_schema', got {kind!r}")
     try:
         text = json.dumps(schema)
+        import llguidance
+
         source = llguidance.LLMatcher.grammar_from_json_schema(
             text, overrides=options)  # type: ignore[arg-type]
     except (ValueError, TypeError, RecursionError) as exc:
