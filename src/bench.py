@@ -113,28 +113,11 @@ def step_overhead(engine: Engine, since: int, n: int) -> dict[str, Any]:
 
 def plain_loop(engine: Engine, ids: list[int], new_tokens: int) -> float:
     """Tokens/s of a bare single-sequence loop over the same model code (no actors)."""
-    import mlx.core as mx
-
-    from slotserve.model.layers import Batch
+    from slotserve.runtime.plain import greedy_timed
 
     model = engine.loaded.model  # type: ignore[union-attr]
-
-    def run() -> float:
-        kv = model.new_kv()
-        logits = model(mx.array(ids), Batch.build([(kv, 0, len(ids))]), [len(ids) - 1])
-        tok = mx.argmax(logits, axis=-1)
-        mx.eval(tok)
-        pos = len(ids)
-        t0 = time.perf_counter()
-        for _ in range(new_tokens):
-            logits = model(tok, Batch.build([(kv, pos, 1)]), [0])
-            tok = mx.argmax(logits, axis=-1)
-            mx.eval(tok)
-            pos += 1
-        return new_tokens / (time.perf_counter() - t0)
-
     assert engine.mlx is not None
-    return engine.mlx.call(run)
+    return engine.mlx.call(lambda: greedy_timed(model, ids, new_tokens)[1])
 
 
 async def bench_single(engine: Engine, new_tokens: int) -> dict[str, Any]:

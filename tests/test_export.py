@@ -5,28 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
 from slotserve.export import export
-from slotserve.model.layers import Batch
 from slotserve.model.loader import load
+from slotserve.runtime.plain import greedy_tokens
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 STEPS = 16
 
 
 def greedy(lm, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    model = lm.model
-    kv = model.new_kv()
-    logits = model(mx.array(ids), Batch.build([(kv, 0, len(ids))]), [len(ids) - 1])
-    out, pos = [], len(ids)
-    for _ in range(STEPS):
-        tok = int(mx.argmax(logits, axis=-1).item())
-        out.append(tok)
-        logits = model(mx.array([tok]), Batch.build([(kv, pos, 1)]), [0])
-        pos += 1
-    return out
+    return greedy_tokens(lm.model, ids, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 
 from slotserve.model import layers
 from slotserve.model.layers import Batch
+from slotserve.runtime.plain import greedy_tokens
 from slotserve.model.loader import load
 
 ROW_FLOOR = 16  # matmul rows the model-level invariance checks pad to
@@ -108,17 +109,7 @@ def test_greedy_tokens_match(pair: Any) -> None:
     assert greedy(model, prompt, NEW_TOKENS) == want
 
 
-def greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
-    """Prefill, then decode one token per call, taking the argmax each time."""
-    kv, n = model.new_kv(), len(prompt)
-    logits = model(mx.array(prompt), Batch.build([(kv, 0, n)]), [n - 1])
-    out: list[int] = []
-    for pos in range(n, n + steps):
-        out.append(int(mx.argmax(logits[0]).item()))
-        if len(out) == steps:
-            break
-        logits = model(mx.array(out[-1:]), Batch.build([(kv, pos, 1)]), [0])
-    return out
+greedy = greedy_tokens
 
 
 @pytest.fixture

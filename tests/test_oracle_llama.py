@@ -19,6 +19,7 @@ import pytest
 from slotserve.model import layers
 from slotserve.model.chat_template import ChatTemplate
 from slotserve.model.layers import Batch
+from slotserve.runtime.plain import greedy_tokens
 from slotserve.model.loader import (
     build_model,
     default_model_path,
@@ -49,17 +50,7 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 
-def greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
-    """Prefill, then decode one token per call, taking the argmax each time."""
-    kv, n = model.new_kv(), len(prompt)
-    logits = model(mx.array(prompt), Batch.build([(kv, 0, n)]), [n - 1])
-    out: list[int] = []
-    for pos in range(n, n + steps):
-        out.append(int(mx.argmax(logits[0]).item()))
-        if len(out) == steps:
-            break
-        logits = model(mx.array(out[-1:]), Batch.build([(kv, pos, 1)]), [0])
-    return out
+greedy = greedy_tokens
 
 
 def hf_greedy(hf: Any, prompt: list[int], steps: int) -> list[int]:

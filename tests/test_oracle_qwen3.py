@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from slotserve.model.layers import Batch
+from slotserve.runtime.plain import greedy_tokens
 from slotserve.model.loader import load
 
 torch = pytest.importorskip("torch")
@@ -49,15 +50,7 @@ def _hf_logits(hf: Any, tokens: list[int]) -> np.ndarray:
         return hf(torch.tensor([tokens])).logits[0].float().numpy()
 
 
-def _greedy(model: Any, tokens: list[int], steps: int) -> list[int]:
-    kv = model.new_kv()
-    n = len(tokens)
-    logits = model(mx.array(tokens), Batch.build([(kv, 0, n)]), logit_rows=[n - 1])
-    out = [int(mx.argmax(logits[0]).item())]
-    for pos in range(n, n + steps - 1):
-        logits = model(mx.array(out[-1:]), Batch.build([(kv, pos, 1)]), logit_rows=[0])
-        out.append(int(mx.argmax(logits[0]).item()))
-    return out
+_greedy = greedy_tokens
 
 
 def test_config_and_prefill_logits_match_hf(checkpoint: tuple[Path, Any]) -> None:
