@@ -1,19 +1,21 @@
 """Causal attention whose result for a query row never depends on its batch.
 
 A query at position p must get bit-identical output whether it is a decode row
-(batched with other slots' decode rows) or one token of a prefill chunk, and
-whatever the slot's KV capacity. BLAS picks kernels by matrix shape, so every
-matmul here has a shape fixed by the model, never by the batch:
+(batched with other slots' decode rows) or one row of a prefill chunk, and
+whatever the slot's KV capacity. BLAS picks kernels by matrix shape, so:
 
-* Each query token is its own GEMM per kv head: [GQA group, head_dim] x
-  [head_dim, BLOCK] for Q·K^T, [group, BLOCK] x [BLOCK, head_dim] for P·V.
-* Keys run from position 0 to a span rounded up to BLOCK, in blocks at fixed
-  absolute offsets; positions a query may not see get -inf and so add exact zeros
-  to the max, the exponent sum and P·V; block results are summed one after another.
+* Q·K^T runs per (slot, kv head) with the query rows on the row axis: the GQA
+  group for a decode token, group x tokens for a prefill chunk. Row counts under
+  ROW_FLOOR take other BLAS kernels, so they are padded up to it; the reduction
+  (head_dim) is fixed, and the key span only changes N, which leaves columns alone.
+* Keys run from position 0 to a span rounded up to BLOCK; positions a query may
+  not see get -inf and so add exact zeros to the max, the exponent sum and P·V.
+* P·V is cut into blocks of BLOCK keys at fixed absolute offsets, so every GEMM
+  has the same reduction length; the blocks are summed one after another.
 
 Decode rows of many slots run as one batched dispatch (their K/V stacked per key
-span); a prefill chunk shares its slot's cache across its tokens. The start-up
-probe (slotserve.kernels.invariance) checks all of this on the machine it runs on.
+span); a prefill chunk attends over its own slot's cache. The start-up probe
+(slotserve.kernels.invariance) checks all of this on the machine it runs on.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 BLOCK = 128
+ROW_FLOOR = 16
 LOG2E = 1.4426950408889634
 
 
@@ -50,6 +53,7 @@ class AttentionPlan:
     tokens: int
     span: int
     biases: dict[int | None, mx.array] = field(default_factory=dict)
+    row_biases: dict[tuple[int | None, int], mx.array] = field(default_factory=dict)
 
     @staticmethod
     def build(start: int, tokens: int) -> AttentionPlan:
@@ -60,46 +64,66 @@ class AttentionPlan:
             self.biases[window] = causal_bias(self.start, self.tokens, self.span, window)
         return self.biases[window]
 
+    def row_bias(self, window: int | None, group: int) -> mx.array:
+        """The mask repeated for each GQA group member: [tokens * group, span]."""
+        key = (window, group)
+        if key not in self.row_biases:
+            self.row_biases[key] = mx.repeat(self.bias(window), group, axis=0)
+        return self.row_biases[key]
 
-def token_attention(q: mx.array, keys: mx.array, values: mx.array, bias: mx.array,
-                    scale: float) -> mx.array:
-    """Attention for query tokens, each token its own small GEMM per kv head.
 
-    q: [T, Hq, D]; keys/values: [T or 1, Hkv, span, D] (per-token caches for decode
-    rows of different slots, or one cache shared by a prefill chunk's tokens), span a
-    multiple of BLOCK; bias: [T, span] additive mask. Returns [T, Hq, D].
+def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, bias: mx.array,
+                      scale: float) -> mx.array:
+    """Attention for M query rows per (slot, kv head).
 
-    Every GEMM is [group, D] x [D, BLOCK] or [group, BLOCK] x [BLOCK, D], whether the
-    token is a decode row or part of a prefill chunk: the same shapes, so the same
-    BLAS kernel and the same bits. Small GEMMs also stay single-threaded in BLAS.
+    qh: [S, Hkv, M, D]; keys/values: [S, Hkv, span, D] (span a multiple of BLOCK);
+    bias: [S, M, span] additive mask. Returns [S, Hkv, M, D].
     """
-    t, hq, d = q.shape
-    hkv, span = keys.shape[1], keys.shape[2]
-    group, nb = hq // hkv, span // BLOCK
+    s_, hkv, m, d = qh.shape
+    span = keys.shape[2]
+    nb = span // BLOCK
     # scores in log2 units: exp2 is cheaper than exp on CPU and the mask stays -inf
-    qh = (q * (scale * LOG2E)).reshape(t, hkv, 1, group, d)
-    kb = keys.reshape(keys.shape[0], hkv, nb, BLOCK, d)
-    scores = (qh @ kb.swapaxes(-1, -2)).astype(mx.float32)  # [T, hkv, nb, group, BLOCK]
-    scores = scores + bias.reshape(t, 1, nb, 1, BLOCK)
-    peak = scores.max(axis=-1, keepdims=True).max(axis=2, keepdims=True)
-    # weights under 2^-64 of the largest become exact zeros: they are far below float32
-    # resolution of the sum, and left alone they turn into subnormals, which make exp2
-    # and the P·V GEMMs several times slower on CPU
-    shifted = scores - peak
+    qh = qh * (scale * LOG2E)
+    if m < ROW_FLOOR:
+        qh = mx.concatenate([qh, mx.zeros((s_, hkv, ROW_FLOOR - m, d), qh.dtype)], axis=2)
+    scores = qh @ keys.swapaxes(-1, -2)
+    if m < ROW_FLOOR:
+        scores = scores[:, :, :m]
+    scores = scores.astype(mx.float32) + bias[:, None]
+    # weights under 2^-64 of the largest become exact zeros: far below float32 resolution
+    # of the sum, and left alone they turn into subnormals, which are slow on CPU
+    shifted = scores - scores.max(axis=-1, keepdims=True)
     probs = mx.power(2.0, mx.where(shifted > -64.0, shifted, -mx.inf))
-    denom = probs.sum(axis=-1, keepdims=True).sum(axis=2)  # [T, hkv, group, 1]
-    vb = values.reshape(values.shape[0], hkv, nb, BLOCK, d)
-    out = (probs.astype(values.dtype) @ vb).sum(axis=2)  # [T, hkv, group, d]
-    out = out / denom.astype(out.dtype)
-    return out.reshape(t, hq, d)
+    denom = probs.sum(axis=-1)  # [S, hkv, m]
+    pb = probs.astype(values.dtype).reshape(s_, hkv, m, nb, BLOCK).transpose(0, 1, 3, 2, 4)
+    vb = values.reshape(s_, hkv, nb, BLOCK, d)
+    out = (pb @ vb).sum(axis=2)  # [S, hkv, m, d]
+    return out / denom[..., None].astype(out.dtype)
+
+
+def decode_attention(q: mx.array, keys: mx.array, values: mx.array, bias: mx.array,
+                     scale: float) -> mx.array:
+    """One decode token per slot. q: [S, Hq, D]; keys/values: [S, Hkv, span, D]; bias [S, span]."""
+    s_, hq, d = q.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    qh = q.reshape(s_, hkv, group, d)
+    out = grouped_attention(qh, keys, values, bias[:, None, :], scale)
+    return out.reshape(s_, hq, d)
 
 
 def segment_attention(q: mx.array, keys: mx.array, values: mx.array, plan: AttentionPlan,
                       scale: float, window: int | None = None) -> mx.array:
     """One slot's T query tokens (positions plan.start..) over its cache [Hkv, cap, D]."""
+    t, hq, d = q.shape
+    hkv = keys.shape[0]
+    group = hq // hkv
     span = plan.span
-    return token_attention(q, keys[None, :, :span], values[None, :, :span], plan.bias(window),
-                           scale)
+    # rows token-major within each kv head: row = token * group + member
+    qh = q.reshape(t, hkv, group, d).transpose(1, 0, 2, 3).reshape(1, hkv, t * group, d)
+    bias = plan.row_bias(window, group)
+    out = grouped_attention(qh, keys[None, :, :span], values[None, :, :span], bias[None], scale)
+    return out.reshape(hkv, t, group, d).transpose(1, 0, 2, 3).reshape(t, hq, d)
 
 
 def reference_attention(q: mx.array, keys: mx.array, values: mx.array, start: int,

@@ -18,7 +18,7 @@ import mlx.core as mx
 import structlog
 
 from slotserve.kernels import attention
-from slotserve.kernels.attention import AttentionPlan, segment_attention, token_attention
+from slotserve.kernels.attention import AttentionPlan, decode_attention, segment_attention
 
 log = structlog.get_logger("slotserve.invariance")
 
@@ -66,7 +66,7 @@ def attention_invariant(group: int, kv_heads: int, head_dim: int, dtype: mx.Dtyp
         values = mx.concatenate([other_k[:, :, :span], v[None, :, :span]])
         qs = mx.concatenate([q[:5], q[pos : pos + 1]])
         bias = mx.concatenate([mx.zeros((5, span)), plan.bias(None)])
-        batched = token_attention(qs, keys, values, bias, scale)[5]
+        batched = decode_attention(qs, keys, values, bias, scale)[5]
         if not mx.array_equal(batched, one[0]).item():
             return False
         for start in {0, max(0, pos - 7), pos}:

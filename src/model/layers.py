@@ -18,9 +18,9 @@ import numpy as np
 from slotserve.kernels.attention import (
     AttentionPlan,
     causal_bias,
+    decode_attention,
     segment_attention,
     span_for,
-    token_attention,
 )
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
@@ -280,7 +280,7 @@ def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scal
     for group in batch.decode_groups:
         keys = keys_all[group.gather].transpose(0, 2, 1, 3)  # [S, kv_heads, span, D]
         values = values_all[group.gather].transpose(0, 2, 1, 3)
-        outs.append(token_attention(q[group.rows], keys, values, group.bias(window), scale))
+        outs.append(decode_attention(q[group.rows], keys, values, group.bias(window), scale))
     for seg, gather in batch.prefill:
         keys = keys_all[gather].transpose(1, 0, 2)  # [kv_heads, span, D]
         values = values_all[gather].transpose(1, 0, 2)
