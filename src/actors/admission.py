@@ -20,6 +20,8 @@ from slotserve.actors.messages import GenerationRequest
 from slotserve.actors.slot import Slot
 from slotserve.model.kv import GROW_STEP
 
+MIN_REUSE = 16  # prefix tokens a retained slot must match to be chosen for reuse
+
 
 class AdmissionError(Exception):
     """A request that cannot be served as asked (maps to HTTP 400)."""
@@ -152,9 +154,13 @@ class Admission:
 
     @staticmethod
     def _choose(free: list[Slot], prompt: list[int]) -> Slot:
-        """Longest exact prefix match, else an empty slot, else the LRU idle slot."""
+        """Longest exact prefix match, else an empty slot, else the LRU idle slot.
+
+        A match shorter than MIN_REUSE tokens (e.g. only the chat template's opening) does
+        not count: taking that slot would throw away a conversation worth keeping.
+        """
         best = max(free, key=lambda s: (s.prefix_match(prompt), -s.last_used))
-        if best.prefix_match(prompt) > 0:
+        if best.prefix_match(prompt) >= MIN_REUSE:
             return best
         empty = [s for s in free if not s.ledger]
         if empty:
