@@ -248,20 +248,16 @@ async def _chat_events(state: AppState, req: ChatRequest, stream: AsyncGenerator
         return out
 
     yield event(ids.chat_chunk({"role": "assistant", "content": ""}))
-    final: Delta | None = None
-    async with contextlib.aclosing(with_keepalive(stream, state.settings.keepalive_interval)) \
-            as items:
-        async for d in items:
+    end: dict[str, Delta] = {}
+    async with contextlib.aclosing(_until_final(state, stream, pending, end)) as deltas:
+        async for d in deltas:
             if d is None:
                 yield KEEPALIVE
                 continue
-            pending.extend(d.logprobs)
-            if d.finish_reason is not None:
-                final = d
-                break
             text, calls = parser.feed(d.text) if parser else (d.text, [])
             for chunk in emit(text, calls):
                 yield chunk
+    final = end.get("final")
     if final is None or final.finish_reason not in ("stop", "length"):
         yield _error_event(final)
         yield DONE
@@ -274,6 +270,24 @@ async def _chat_events(state: AppState, req: ChatRequest, stream: AsyncGenerator
     if req.include_usage:
         yield event(ids.usage_chunk(final.usage, "chat.completion.chunk"))
     yield DONE
+
+
+async def _until_final(state: AppState, stream: AsyncGenerator[Delta, None],
+                       pending: list[TokenLogprob],
+                       end: dict[str, Delta]) -> AsyncIterator[Delta | None]:
+    """Text deltas of a stream (None for a keepalive tick), its logprobs gathered in
+    `pending`; the final delta (finish reason, usage) is left in end["final"]."""
+    async with contextlib.aclosing(with_keepalive(stream, state.settings.keepalive_interval)) \
+            as items:
+        async for d in items:
+            if d is None:
+                yield None
+                continue
+            pending.extend(d.logprobs)
+            if d.finish_reason is not None:
+                end["final"] = d
+                return
+            yield d
 
 
 def _error_event(final: Delta | None) -> bytes:
@@ -325,19 +339,14 @@ async def _completion_events(state: AppState, req: CompletionRequest,
         offset += len(text)
         return event(rid.completion_chunk(text, reason, lp))
 
-    final: Delta | None = None
-    async with contextlib.aclosing(with_keepalive(stream, state.settings.keepalive_interval)) \
-            as items:
-        async for d in items:
+    end: dict[str, Delta] = {}
+    async with contextlib.aclosing(_until_final(state, stream, pending, end)) as deltas:
+        async for d in deltas:
             if d is None:
                 yield KEEPALIVE
-                continue
-            pending.extend(d.logprobs)
-            if d.finish_reason is not None:
-                final = d
-                break
-            if d.text:
+            elif d.text:
                 yield chunk(d.text)
+    final = end.get("final")
     if final is None or final.finish_reason not in ("stop", "length"):
         yield _error_event(final)
         yield DONE
