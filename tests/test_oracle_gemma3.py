@@ -18,6 +18,8 @@ import pytest
 from slotserve.model import layers
 from slotserve.model.layers import Batch
 from slotserve.runtime.plain import greedy_tokens
+
+from model_checks import assert_mixed_decode_matches_solo
 from slotserve.model.loader import load
 
 ROW_FLOOR = 16  # matmul rows the model-level invariance checks pad to
@@ -126,16 +128,7 @@ def row_floor(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_batch_and_prefix_invariance(pair: Any) -> None:
     """Sliding-window rows keep their bits in a mixed decode batch and across chunkings."""
     _, model, prompt = pair
-    seqs = [prompt[:5], prompt[:23], prompt + prompt[:9]]
-    kvs = [model.new_kv() for _ in seqs]
-    for kv, s in zip(kvs, seqs, strict=True):
-        model(mx.array(s), Batch.build([(kv, 0, len(s))]), [len(s) - 1])
-    nxt = [11, 222, 333]
-    parts = [(kv, len(s), 1) for kv, s in zip(kvs, seqs, strict=True)]
-    together = model(mx.array(nxt), Batch.build(parts), [0, 1, 2])
-    for i, part in enumerate(parts):
-        alone = model(mx.array(nxt[i : i + 1]), Batch.build([part]), [0])
-        assert mx.array_equal(together[i], alone[0]), i
+    assert_mixed_decode_matches_solo(model, prompt, [11, 222, 333])
     n, m = len(prompt), len(prompt) - 6
     chunk = model(mx.array(prompt), Batch.build([(model.new_kv(), 0, n)]), [n - 1])
     kv = model.new_kv()

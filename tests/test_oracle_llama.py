@@ -20,6 +20,8 @@ from slotserve.model import layers
 from slotserve.model.chat_template import ChatTemplate
 from slotserve.model.layers import Batch
 from slotserve.runtime.plain import greedy_tokens
+
+from model_checks import assert_mixed_decode_matches_solo
 from slotserve.model.loader import (
     build_model,
     default_model_path,
@@ -192,16 +194,7 @@ def row_floor(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_smollm2_mixed_decode_batch_is_bit_identical(smol: Any) -> None:
     """One decode call over three slots gives each row exactly its solo logits."""
     model, _, _, prompt = smol
-    seqs = [prompt[:5], prompt[:23], prompt + prompt[:9]]
-    kvs = [model.new_kv() for _ in seqs]
-    for kv, s in zip(kvs, seqs, strict=True):
-        model(mx.array(s), Batch.build([(kv, 0, len(s))]), [len(s) - 1])
-    nxt = [11, 222, 3333]
-    parts = [(kv, len(s), 1) for kv, s in zip(kvs, seqs, strict=True)]
-    together = model(mx.array(nxt), Batch.build(parts), [0, 1, 2])
-    for i, part in enumerate(parts):
-        alone = model(mx.array(nxt[i : i + 1]), Batch.build([part]), [0])
-        assert mx.array_equal(together[i], alone[0]), i
+    assert_mixed_decode_matches_solo(model, prompt, [11, 222, 3333])
 
 
 @pytest.mark.usefixtures("row_floor")
