@@ -20,3 +20,15 @@ def assert_mixed_decode_matches_solo(model: Any, prompt: list[int], nxt: list[in
     for i, part in enumerate(parts):
         alone = model(mx.array(nxt[i : i + 1]), Batch.build([part]), [0])
         assert mx.array_equal(together[i], alone[0]), i
+
+
+def hf_greedy(hf: Any, prompt: list[int], steps: int) -> list[int]:
+    """Hugging Face `generate` greedy continuation of exactly `steps` tokens."""
+    import torch
+
+    with torch.no_grad():
+        ids = hf.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
+        )
+    return ids[0, len(prompt) :].tolist()

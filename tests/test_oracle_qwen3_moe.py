@@ -20,6 +20,9 @@ import pytest
 from slotserve.model.families.qwen3_moe import GROUP_MIN_PAIRS, SparseMoE
 from slotserve.model import layers
 from slotserve.model.layers import Batch
+from slotserve.runtime.plain import greedy_tokens
+
+from model_checks import hf_greedy
 from slotserve.model.loader import load
 
 torch = pytest.importorskip("torch")
@@ -93,19 +96,7 @@ def test_unnormalized_topk_untied_matches_hf(tmp_path: Path) -> None:
 def test_greedy_decode_matches_hf_generate(checkpoint: tuple[Path, Any]) -> None:
     path, hf = checkpoint
     model = load(path, device="cpu", with_tokenizer=False).model
-    with torch.no_grad():
-        ids = hf.generate(
-            torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-            do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-        )
-    kv = model.new_kv()
-    n = len(PROMPT)
-    logits = model(mx.array(PROMPT), Batch.build([(kv, 0, n)]), logit_rows=[n - 1])
-    ours = [int(mx.argmax(logits[0]).item())]
-    for pos in range(n, n + NEW_TOKENS - 1):
-        logits = model(mx.array(ours[-1:]), Batch.build([(kv, pos, 1)]), logit_rows=[0])
-        ours.append(int(mx.argmax(logits[0]).item()))
-    assert ours == ids[0, n:].tolist()
+    assert greedy_tokens(model, PROMPT, NEW_TOKENS) == hf_greedy(hf, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.usefixtures("row_floor")

@@ -99,8 +99,10 @@ def _signal_event() -> asyncio.Event:
             loop.remove_signal_handler(sig)
         event.set()
 
+    if sys.platform == "win32":  # asyncio has no signal handlers there: Ctrl+C stops at once
+        return event
     for sig in signals:
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        with contextlib.suppress(RuntimeError, ValueError):  # not on the main thread
             loop.add_signal_handler(sig, first)
     return event
 
