@@ -4,18 +4,20 @@ A query at position p must get bit-identical output whether it is a decode row
 (batched with other slots' decode rows) or one row of a prefill chunk, and
 whatever the slot's KV capacity. BLAS picks kernels by matrix shape, so:
 
-* Q·K^T runs per (slot, kv head) with the query rows on the row axis: the GQA
-  group for a decode token, group x tokens for a prefill chunk. Row counts under
-  ROW_FLOOR take other BLAS kernels, so they are padded up to it; the reduction
-  (head_dim) is fixed, and the key span only changes N, which leaves columns alone.
+* Q·K^T runs per (slot, kv head, key block) with the query rows on the row axis:
+  the GQA group for a decode token, group x tokens for a prefill chunk. Row counts
+  under ROW_FLOOR take other BLAS kernels, so they are padded up to it; the
+  reduction (head_dim) and the columns (BLOCK keys) are fixed.
 * Keys run from position 0 to a span rounded up to BLOCK; positions a query may
   not see get -inf and so add exact zeros to the max, the exponent sum and P·V.
 * P·V is cut into blocks of BLOCK keys at fixed absolute offsets, so every GEMM
   has the same reduction length; the blocks are summed one after another.
 
-Decode rows of many slots run as one batched dispatch (their K/V stacked per key
-span); a prefill chunk attends over its own slot's cache. The start-up probe
-(slotserve.kernels.invariance) checks all of this on the machine it runs on.
+K/V are read in place from the paged pool (slotserve.model.kv): `mx.gather_mm`
+runs one small GEMM per (slot, key block, kv head) with the block chosen by index,
+so no step copies or stacks anyone's cache. Decode rows of many slots run as one
+batched dispatch; a prefill chunk attends over its own slot's blocks. The start-up
+probe (slotserve.kernels.invariance) checks all of this on the machine it runs on.
 """
 
 from __future__ import annotations
@@ -72,57 +74,78 @@ class AttentionPlan:
         return self.row_biases[key]
 
 
-def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, bias: mx.array,
-                      scale: float) -> mx.array:
-    """Attention for M query rows per (slot, kv head).
+def paged_blocks(caches: list[mx.array]) -> tuple[mx.array, mx.array]:
+    """Dense per-slot caches [Hkv, cap, D] (cap a multiple of BLOCK) in the pool's layout.
 
-    qh: [S, Hkv, M, D]; keys/values: [S, Hkv, span, D] (span a multiple of BLOCK);
-    bias: [S, M, span] additive mask. Returns [S, Hkv, M, D].
+    Returns (blocks [B, BLOCK, D], indices [S, cap // BLOCK, Hkv]); used by the probe
+    and the tests to feed the attention below from plain arrays.
+    """
+    blocks, indices, base = [], [], 0
+    for c in caches:
+        hkv, cap, d = c.shape
+        nb = cap // BLOCK
+        blocks.append(c.reshape(hkv, nb, BLOCK, d).transpose(1, 0, 2, 3).reshape(-1, BLOCK, d))
+        indices.append(base + mx.arange(nb * hkv, dtype=mx.int32).reshape(nb, hkv))
+        base += nb * hkv
+    return mx.concatenate(blocks), mx.stack(indices)
+
+
+def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
+                      bias: mx.array, scale: float) -> mx.array:
+    """Attention for M query rows per (slot, kv head), reading K/V in place from the pool.
+
+    qh: [S, Hkv, M, D]; keys/values: [B, BLOCK, D] pool blocks; blocks: [S, nb, Hkv]
+    index of the block holding positions j*BLOCK.. of each slot and kv head;
+    bias: [S, M, nb * BLOCK] additive mask. Returns [S, Hkv, M, D].
     """
     s_, hkv, m, d = qh.shape
-    span = keys.shape[2]
-    nb = span // BLOCK
+    nb = blocks.shape[1]
     # scores in log2 units: exp2 is cheaper than exp on CPU and the mask stays -inf
     qh = qh * (scale * LOG2E)
     if m < ROW_FLOOR:
         qh = mx.concatenate([qh, mx.zeros((s_, hkv, ROW_FLOOR - m, d), qh.dtype)], axis=2)
-    scores = qh @ keys.swapaxes(-1, -2)
-    if m < ROW_FLOOR:
-        scores = scores[:, :, :m]
+    mp = qh.shape[2]
+    q_index = mx.broadcast_to(
+        (mx.arange(s_, dtype=mx.int32)[:, None] * hkv + mx.arange(hkv, dtype=mx.int32))[:, None],
+        blocks.shape,
+    )
+    # one GEMM per (slot, key block, kv head): [M, D] x [D, BLOCK], straight from the pool
+    scores = mx.gather_mm(qh.reshape(s_ * hkv, mp, d), keys.swapaxes(-1, -2), q_index, blocks)
+    scores = scores[:, :, :, :m].transpose(0, 2, 3, 1, 4).reshape(s_, hkv, m, nb * BLOCK)
     scores = scores.astype(mx.float32) + bias[:, None]
     # weights under 2^-64 of the largest become exact zeros: far below float32 resolution
     # of the sum, and left alone they turn into subnormals, which are slow on CPU
     shifted = scores - scores.max(axis=-1, keepdims=True)
     probs = mx.power(2.0, mx.where(shifted > -64.0, shifted, -mx.inf))
     denom = probs.sum(axis=-1)  # [S, hkv, m]
-    pb = probs.astype(values.dtype).reshape(s_, hkv, m, nb, BLOCK).transpose(0, 1, 3, 2, 4)
-    vb = values.reshape(s_, hkv, nb, BLOCK, d)
-    out = (pb @ vb).sum(axis=2)  # [S, hkv, m, d]
+    pb = probs.astype(values.dtype).reshape(s_, hkv, m, nb, BLOCK).transpose(0, 3, 1, 2, 4)
+    # P.V per key block (fixed reduction length BLOCK), blocks summed in order
+    out = mx.gather_mm(pb, values, None, blocks).sum(axis=1)  # [S, hkv, m, d]
     return out / denom[..., None].astype(out.dtype)
 
 
-def decode_attention(q: mx.array, keys: mx.array, values: mx.array, bias: mx.array,
-                     scale: float) -> mx.array:
-    """One decode token per slot. q: [S, Hq, D]; keys/values: [S, Hkv, span, D]; bias [S, span]."""
+def decode_attention(q: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
+                     bias: mx.array, scale: float) -> mx.array:
+    """One decode token per slot. q: [S, Hq, D]; blocks [S, nb, Hkv]; bias [S, nb * BLOCK]."""
     s_, hq, d = q.shape
-    hkv = keys.shape[1]
+    hkv = blocks.shape[2]
     group = hq // hkv
     qh = q.reshape(s_, hkv, group, d)
-    out = grouped_attention(qh, keys, values, bias[:, None, :], scale)
+    out = grouped_attention(qh, keys, values, blocks, bias[:, None, :], scale)
     return out.reshape(s_, hq, d)
 
 
-def segment_attention(q: mx.array, keys: mx.array, values: mx.array, plan: AttentionPlan,
-                      scale: float, window: int | None = None) -> mx.array:
-    """One slot's T query tokens (positions plan.start..) over its cache [Hkv, cap, D]."""
+def segment_attention(q: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
+                      plan: AttentionPlan, scale: float, window: int | None = None) -> mx.array:
+    """One slot's T query tokens (positions plan.start..); blocks [1, plan.span // BLOCK, Hkv]."""
     t, hq, d = q.shape
-    hkv = keys.shape[0]
+    hkv = blocks.shape[2]
     group = hq // hkv
-    span = plan.span
+    blocks = blocks[:, : plan.span // BLOCK]
     # rows token-major within each kv head: row = token * group + member
     qh = q.reshape(t, hkv, group, d).transpose(1, 0, 2, 3).reshape(1, hkv, t * group, d)
     bias = plan.row_bias(window, group)
-    out = grouped_attention(qh, keys[None, :, :span], values[None, :, :span], bias[None], scale)
+    out = grouped_attention(qh, keys, values, blocks, bias[None], scale)
     return out.reshape(hkv, t, group, d).transpose(1, 0, 2, 3).reshape(t, hq, d)
 
 

@@ -18,7 +18,12 @@ import mlx.core as mx
 import structlog
 
 from slotserve.kernels import attention
-from slotserve.kernels.attention import AttentionPlan, decode_attention, segment_attention
+from slotserve.kernels.attention import (
+    AttentionPlan,
+    decode_attention,
+    paged_blocks,
+    segment_attention,
+)
 
 log = structlog.get_logger("slotserve.invariance")
 
@@ -56,23 +61,29 @@ def attention_invariant(group: int, kv_heads: int, head_dim: int, dtype: mx.Dtyp
     k = mx.random.normal((kv_heads, cap, head_dim), key=mx.random.key(1)).astype(dtype)
     v = mx.random.normal((kv_heads, cap, head_dim), key=mx.random.key(2)).astype(dtype)
     q = mx.random.normal((cap, kv_heads * group, head_dim), key=mx.random.key(3)).astype(dtype)
-    other_k = mx.random.normal((5, kv_heads, cap, head_dim), key=mx.random.key(4)).astype(dtype)
+    others = [
+        mx.random.normal((kv_heads, cap, head_dim), key=mx.random.key(4 + i)).astype(dtype)
+        for i in range(5)
+    ]
     scale = head_dim**-0.5
+    own, own_blocks = paged_blocks([k])
+    own_values, _ = paged_blocks([v])
+    # a batch of six slots whose last one holds k/v, its blocks not first in the pool
+    pool_k, idx = paged_blocks([*others, k])
+    pool_v, _ = paged_blocks([*others, v])
     for pos in (0, 5, attention.BLOCK - 1, attention.BLOCK + 3, cap - 1):
-        one = segment_attention(q[pos : pos + 1], k, v, AttentionPlan.build(pos, 1), scale)
         plan = AttentionPlan.build(pos, 1)
-        span = plan.span
-        keys = mx.concatenate([other_k[:, :, :span], k[None, :, :span]])
-        values = mx.concatenate([other_k[:, :, :span], v[None, :, :span]])
+        nb = plan.span // attention.BLOCK
+        one = segment_attention(q[pos : pos + 1], own, own_values, own_blocks, plan, scale)
         qs = mx.concatenate([q[:5], q[pos : pos + 1]])
-        bias = mx.concatenate([mx.zeros((5, span)), plan.bias(None)])
-        batched = decode_attention(qs, keys, values, bias, scale)[5]
+        bias = mx.concatenate([mx.zeros((5, plan.span)), plan.bias(None)])
+        batched = decode_attention(qs, pool_k, pool_v, idx[:, :nb], bias, scale)[5]
         if not mx.array_equal(batched, one[0]).item():
             return False
         for start in {0, max(0, pos - 7), pos}:
             n = min(cap - start, max(pos - start + 1, 40))
-            many = segment_attention(q[start : start + n], k, v, AttentionPlan.build(start, n),
-                                     scale)
+            many = segment_attention(q[start : start + n], own, own_values, own_blocks,
+                                     AttentionPlan.build(start, n), scale)
             if not mx.array_equal(many[pos - start], one[0]).item():
                 return False
     return True

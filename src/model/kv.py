@@ -1,11 +1,14 @@
 """KV storage: one pool per model, handed out to slots in pages.
 
 Every layer keeps all slots' keys (and values) in one array of shape
-[pages * BLOCK, kv_heads, head_dim]. A slot owns a list of pages (BLOCK positions
-each, BLOCK being the attention key block), so
+[pages * kv_heads * BLOCK, head_dim]: page-major, then kv head, then BLOCK
+positions, so each (page, kv head) is one contiguous [BLOCK, head_dim] *block*.
+A slot owns a list of pages (BLOCK positions each, BLOCK being the attention key
+block), so
 
 * a step writes the new K/V of every row of every slot with one scatter per layer,
-* decode attention gathers all decode slots' keys with one gather per layer,
+* attention multiplies straight out of the pool (`mx.gather_mm` picks each
+  slot's blocks by index): no per-step copy of anyone's keys,
 * memory follows what is written: pages are taken as positions are reserved and
   given back when a slot's retained KV is evicted; the pool grows (never shrinks)
   to its high-water mark, never to max_slots x context up front.
@@ -56,7 +59,7 @@ class KVPool:
 
     def _grow(self, extra: int) -> None:
         """Append `extra` pages to every layer's arrays (MLX thread only)."""
-        shape = (extra * BLOCK, self.num_kv_heads, self.head_dim)
+        shape = (extra * self.num_kv_heads * BLOCK, self.head_dim)
         if self.pages == 0:
             self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
             self.values = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
@@ -66,6 +69,13 @@ class KVPool:
         mx.eval(self.keys, self.values)
         self.free.extend(range(self.pages + extra - 1, self.pages - 1, -1))
         self.pages += extra
+
+    def key_blocks(self, layer: int) -> mx.array:
+        """Layer's keys as [pages * kv_heads, BLOCK, head_dim] (a view, no copy)."""
+        return self.keys[layer].reshape(-1, BLOCK, self.head_dim)
+
+    def value_blocks(self, layer: int) -> mx.array:
+        return self.values[layer].reshape(-1, BLOCK, self.head_dim)
 
     def allocate(self, n: int) -> list[int]:
         with self._lock:
@@ -110,14 +120,18 @@ class SlotKV:
             self.pages.extend(self.pool.allocate(missing))
 
     def rows_for(self, start: int, end: int) -> np.ndarray:
-        """Pool rows holding positions start..end-1."""
+        """[end - start, kv_heads] pool rows receiving positions start..end-1, per kv head."""
         pos = np.arange(start, end)
-        return np.asarray(self.pages, dtype=np.int64)[pos // BLOCK] * BLOCK + pos % BLOCK
+        heads = self.pool.num_kv_heads
+        page = np.asarray(self.pages, dtype=np.int64)[pos // BLOCK]
+        block = page[:, None] * heads + np.arange(heads)[None, :]
+        return block * BLOCK + (pos % BLOCK)[:, None]
 
-    def span_rows(self, span: int) -> np.ndarray:
-        """Pool rows of positions 0..span-1 (span a multiple of BLOCK)."""
+    def blocks(self, span: int) -> np.ndarray:
+        """[span // BLOCK, kv_heads] block indices of positions 0..span-1 (see key_blocks)."""
+        heads = self.pool.num_kv_heads
         pages = np.asarray(self.pages[: span // BLOCK], dtype=np.int64)
-        return (pages[:, None] * BLOCK + np.arange(BLOCK)).ravel()
+        return pages[:, None] * heads + np.arange(heads)[None, :]
 
     def release(self) -> None:
         """Give every page back (slot evicted)."""

@@ -50,7 +50,7 @@ class DecodeGroup:
 
     span: int
     rows: mx.array  # [n] batch row of each member
-    gather: mx.array  # [n, span] pool rows of each member's positions 0..span-1
+    blocks: mx.array  # [n, span // BLOCK, kv_heads] pool blocks of positions 0..span-1
     starts: list[int]
     biases: dict[int | None, mx.array] = field(default_factory=dict)
 
@@ -69,9 +69,9 @@ class Batch:
     segments: list[Segment]
     positions: mx.array  # [R] int32 absolute position per row (padded)
     pool: KVPool | None = None
-    write_rows: mx.array | None = None  # [rows] pool row receiving each real row's K/V
+    write_rows: mx.array | None = None  # [rows, kv_heads] pool rows receiving each row's K/V
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    prefill: list[tuple[Segment, mx.array]] = field(default_factory=list)  # (seg, gather)
+    prefill: list[tuple[Segment, mx.array]] = field(default_factory=list)  # (seg, blocks)
     order: mx.array | None = None  # puts attention outputs back in row order
 
     @staticmethod
@@ -107,15 +107,15 @@ class Batch:
         for span, members in sorted(by_span.items()):
             rows = [m.row for m in members]
             emitted.extend(rows)
-            gather = np.stack([m.kv.span_rows(span) for m in members]).astype(np.int32)
+            blocks = np.stack([m.kv.blocks(span) for m in members]).astype(np.int32)
             self.decode_groups.append(
-                DecodeGroup(span, mx.array(rows, dtype=mx.int32), mx.array(gather),
+                DecodeGroup(span, mx.array(rows, dtype=mx.int32), mx.array(blocks),
                             [m.start for m in members])
             )
         for seg in prefill:
             emitted.extend(range(seg.row, seg.row + seg.length))
             span = seg.attention_plan().span
-            self.prefill.append((seg, mx.array(seg.kv.span_rows(span).astype(np.int32))))
+            self.prefill.append((seg, mx.array(seg.kv.blocks(span)[None].astype(np.int32))))
         emitted.extend(range(self.rows, self.padded_rows))
         if emitted != list(range(len(emitted))):
             inverse = [0] * len(emitted)
@@ -275,18 +275,15 @@ def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scal
     n = batch.rows
     pool.keys[layer][batch.write_rows] = k[:n] if k.shape[0] > n else k
     pool.values[layer][batch.write_rows] = v[:n] if v.shape[0] > n else v
-    keys_all, values_all = pool.keys[layer], pool.values[layer]
+    keys, values = pool.key_blocks(layer), pool.value_blocks(layer)
     outs = []
     for group in batch.decode_groups:
-        keys = keys_all[group.gather].transpose(0, 2, 1, 3)  # [S, kv_heads, span, D]
-        values = values_all[group.gather].transpose(0, 2, 1, 3)
-        outs.append(decode_attention(q[group.rows], keys, values, group.bias(window), scale))
-    for seg, gather in batch.prefill:
-        keys = keys_all[gather].transpose(1, 0, 2)  # [kv_heads, span, D]
-        values = values_all[gather].transpose(1, 0, 2)
+        outs.append(decode_attention(q[group.rows], keys, values, group.blocks,
+                                     group.bias(window), scale))
+    for seg, blocks in batch.prefill:
         rows = slice(seg.row, seg.row + seg.length)
-        outs.append(segment_attention(q[rows], keys, values, seg.attention_plan(), scale,
-                                      window))
+        outs.append(segment_attention(q[rows], keys, values, blocks, seg.attention_plan(),
+                                      scale, window))
     extra = q.shape[0] - n
     if extra:
         outs.append(mx.zeros((extra, *q.shape[1:]), dtype=q.dtype))
