@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from slotserve.kernels import cpu_gemm
 from slotserve.kernels.attention import (
     AttentionPlan,
     causal_bias,
@@ -137,18 +138,28 @@ class Batch:
 
 
 class Linear:
-    """y = x W^T, with W kept dense (CPU: f32 through BLAS) or affine-quantized."""
+    """y = x W^T, with W kept dense or affine-quantized.
+
+    CPU: dense W in the narrowest float type that holds its values exactly (dequantized
+    GGUF weights are exact in float16) through slotserve's own kernel
+    (slotserve.kernels.cpu_gemm), or in float32 through MLX/OpenBLAS when that kernel
+    is unavailable. GPU: quantized tensors stay quantized.
+    """
 
     def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool) -> None:
         self.q: QuantizedWeight | None = None
         self.w: mx.array | None = None
+        self.kernel: cpu_gemm.Matrix | None = None
+        lib = cpu_gemm.library() if _use_cpu_kernel(compute_dtype, keep_quantized) else None
         if isinstance(weight, QuantizedWeight):
             if keep_quantized:
                 self.q = weight
             else:
-                self.w = weight.dequantize(compute_dtype)
+                self.w = weight.dequantize(None if lib else compute_dtype)
         else:
-            self.w = weight.astype(compute_dtype)
+            self.w = weight if lib and weight.dtype in _EXACT else weight.astype(compute_dtype)
+        if lib is not None and self.w is not None:
+            self.kernel = cpu_gemm.Matrix(self.w, lib)
 
     @staticmethod
     def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool) -> Linear:
@@ -167,14 +178,18 @@ class Linear:
                     compute_dtype,
                     True,
                 )
+        exact = _use_cpu_kernel(compute_dtype, keep_quantized) and cpu_gemm.library()
         dense = [
-            p.dequantize(compute_dtype) if isinstance(p, QuantizedWeight)
-            else p.astype(compute_dtype)
-            for p in parts
+            p.dequantize(None if exact else compute_dtype) if isinstance(p, QuantizedWeight)
+            else p for p in parts
         ]
+        if len({d.dtype for d in dense}) > 1 or not exact:
+            dense = [d.astype(compute_dtype) for d in dense]
         return Linear(mx.concatenate(dense), compute_dtype, False)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.kernel is not None:
+            return self.kernel(x)
         if self.q is not None:
             q = self.q
             return mx.quantized_matmul(
@@ -183,6 +198,15 @@ class Linear:
             )
         assert self.w is not None
         return x @ self.w.T
+
+
+_EXACT = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _use_cpu_kernel(compute_dtype: mx.Dtype, keep_quantized: bool) -> bool:
+    """The CPU compute policy (float32, weights not kept quantized) on the CPU device."""
+    return (compute_dtype == mx.float32 and not keep_quantized
+            and mx.default_device() == mx.cpu)
 
 
 class Embedding:
@@ -201,7 +225,7 @@ class Embedding:
                 bits=q.bits,
             ).astype(self.compute_dtype)
         assert lin.w is not None
-        return lin.w[tokens]
+        return lin.w[tokens].astype(self.compute_dtype)
 
     def as_linear(self) -> Linear:
         return self.linear

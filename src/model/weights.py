@@ -36,11 +36,12 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return (self.weight.shape[0], self.scales.shape[-1] * self.group_size)
 
-    def dequantize(self, dtype: mx.Dtype) -> mx.array:
+    def dequantize(self, dtype: mx.Dtype | None) -> mx.array:
+        """Dense weights; dtype None keeps MLX's result type (the scales' dtype)."""
         w = mx.dequantize(
             self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
         )
-        return w.astype(dtype)
+        return w if dtype is None else w.astype(dtype)
 
     def take_rows(self, order: mx.array) -> QuantizedWeight:
         return QuantizedWeight(

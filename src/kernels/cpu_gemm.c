@@ -1,0 +1,181 @@
+/* y = x W^T on the CPU for slotserve's Linear layers.
+ *
+ * x: [R, K] float32 activations; W: [N, K] weights stored as float32, float16 or
+ * bfloat16 (every one widens to float32 exactly); y: [R, N] float32.
+ *
+ * Why our own kernel: OpenBLAS's sgemm streams f32 weights at ~15 GB/s for the
+ * 1-8 rows of a decode step and takes other kernels (other rounding) for 1-4
+ * rows than for more. Here every output element is computed the same way
+ * whatever R is and wherever its row sits: 16 lane-wise FMA accumulators over k
+ * in order, then one fixed add tree over the lanes. So a row's result never
+ * depends on its batch (batch invariance by construction), and weights can stay
+ * in 16 bits (half the bytes of f32) because they are widened in registers.
+ *
+ * K must be a multiple of 16 (the Python side pads). Work is split over threads
+ * by blocks of 4 weight rows (OpenMP, static schedule).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef _Float16 v16h_u __attribute__((vector_size(32), aligned(2)));
+typedef uint16_t v16s_u __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t v16i __attribute__((vector_size(64)));
+
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
+enum { NB = 4, RT = 6, LANES = 16 };
+
+static inline v16f load_f(const float *p) { return *(const v16f_u *)p; }
+
+static inline v16f widen(const void *w, int wtype, int64_t i) {
+  if (wtype == W_F16) {
+    const uint16_t *p = (const uint16_t *)w + i;
+#if defined(__AVX512F__)
+    return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    v16f out;
+    memcpy(&out, &lo, sizeof lo);
+    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+    return out;
+#else
+    return __builtin_convertvector(*(const v16h_u *)p, v16f);
+#endif
+  }
+  if (wtype == W_BF16) {
+    v16i bits = __builtin_convertvector(*(const v16s_u *)((const uint16_t *)w + i), v16i) << 16;
+    v16f out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+  }
+  return load_f((const float *)w + i);
+}
+
+/* The one add tree every output goes through: lanes (i, i+8), (i, i+4), (i, i+2), (i, i+1). */
+static inline float hsum(v16f v) {
+  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  float c0 = b[0] + b[2], c1 = b[1] + b[3];
+  return c0 + c1;
+}
+
+/* Full tile: RT rows of x against the NB weight rows w[0..NB-1]. Weights are loaded once
+ * per k step into registers and each x vector once, so a step is NB + RT loads for
+ * NB * RT FMAs (with AVX-512: 4 + 6 registers of inputs, 24 accumulators). */
+#if defined(__AVX512F__)
+#define FMA(a, b, c) ((v16f)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#else
+#define FMA(a, b, c) ((c) + (a) * (b))
+#endif
+static inline __attribute__((always_inline)) void tile_rows(
+    const float *restrict x, int64_t K, const float *const w[NB], float *y, int64_t N,
+    const char *pf, int64_t pf_step, const int nr) {
+  v16f acc[RT][NB];
+  for (int r = 0; r < nr; r++)
+    for (int i = 0; i < NB; i++) acc[r][i] = (v16f){0};
+  const float *restrict w0 = w[0], *restrict w1 = w[1], *restrict w2 = w[2],
+                        *restrict w3 = w[3];
+  for (int64_t k = 0; k < K; k += LANES) {
+    if (pf) { /* spread the next block's weight fetches over this block's arithmetic */
+      for (int64_t off = 0; off < pf_step; off += 64) __builtin_prefetch(pf + off, 0, 2);
+      pf += pf_step;
+    }
+    v16f a0 = load_f(w0 + k), a1 = load_f(w1 + k), a2 = load_f(w2 + k), a3 = load_f(w3 + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < nr; r++) {
+      v16f xv = load_f(x + r * K + k);
+      acc[r][0] = FMA(a0, xv, acc[r][0]);
+      acc[r][1] = FMA(a1, xv, acc[r][1]);
+      acc[r][2] = FMA(a2, xv, acc[r][2]);
+      acc[r][3] = FMA(a3, xv, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < nr; r++)
+    for (int i = 0; i < NB; i++) y[r * N + i] = hsum(acc[r][i]);
+}
+
+/* nr (1..RT) fixed at compile time in each case, so the accumulators stay in registers. */
+static void tile(const float *x, int64_t K, const float *const w[NB], float *y, int64_t N,
+                 const char *pf, int64_t pf_step, int nr) {
+  switch (nr) {
+    case 1: tile_rows(x, K, w, y, N, pf, pf_step, 1); break;
+    case 2: tile_rows(x, K, w, y, N, pf, pf_step, 2); break;
+    case 3: tile_rows(x, K, w, y, N, pf, pf_step, 3); break;
+    case 4: tile_rows(x, K, w, y, N, pf, pf_step, 4); break;
+    case 5: tile_rows(x, K, w, y, N, pf, pf_step, 5); break;
+    default: tile_rows(x, K, w, y, N, pf, pf_step, RT); break;
+  }
+}
+
+/* Edge tiles (fewer than NB weight rows): the same per-element arithmetic, one pair at a time. */
+static void tile_edge(const float *x, int64_t K, const float *const w[NB], int nw, int nr,
+                      float *y, int64_t N) {
+  for (int r = 0; r < nr; r++) {
+    for (int i = 0; i < nw; i++) {
+      v16f acc = {0};
+      for (int64_t k = 0; k < K; k += LANES) {
+        acc = FMA(load_f(w[i] + k), load_f(x + r * K + k), acc);
+      }
+      y[r * N + i] = hsum(acc);
+    }
+  }
+}
+
+int slot_gemm(const float *x, int64_t R, int64_t K, const void *w, int wtype, int64_t N,
+              float *y) {
+  if (K % LANES != 0 || (wtype != W_F32 && wtype != W_F16 && wtype != W_BF16)) return -1;
+  int64_t blocks = (N + NB - 1) / NB;
+  int64_t wsize = wtype == W_F32 ? 4 : 2;
+  int failed = 0;
+#pragma omp parallel reduction(| : failed)
+  {
+    float *scratch = NULL;
+    if (wtype != W_F32 && posix_memalign((void **)&scratch, 64, sizeof(float) * NB * K) != 0) {
+      failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+      if (failed) continue;
+      int64_t n0 = b * NB;
+      int nw = (int)(N - n0 < NB ? N - n0 : NB);
+      const float *rows[NB] = {0};
+      for (int i = 0; i < nw; i++) {
+        if (wtype == W_F32) {
+          rows[i] = (const float *)w + (n0 + i) * K;
+        } else {
+          float *dst = scratch + (int64_t)i * K;
+          for (int64_t k = 0; k < K; k += LANES) {
+            *(v16f_u *)(dst + k) = widen(w, wtype, (n0 + i) * K + k);
+          }
+          rows[i] = dst;
+        }
+      }
+      for (int i = nw; i < NB; i++) rows[i] = rows[0];
+      /* the block after next streams in while this one computes (see tile_rows) */
+      const char *pf = NULL;
+      if (b + 2 < blocks && N - n0 - 2 * NB >= NB) {
+        pf = (const char *)w + (n0 + 2 * NB) * K * wsize;
+      }
+      if (nw < NB) {
+        tile_edge(x, K, rows, nw, (int)R, y + n0, N);
+        continue;
+      }
+      for (int64_t r0 = 0; r0 < R; r0 += RT) {
+        int nr = (int)(R - r0 < RT ? R - r0 : RT);
+        tile(x + r0 * K, K, rows, y + r0 * N + n0, N, r0 == 0 ? pf : NULL, NB * wsize * LANES,
+             nr);
+      }
+    }
+    free(scratch);
+  }
+  return failed ? -2 : 0;
+}
