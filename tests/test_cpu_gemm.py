@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from slotserve.kernels import cpu_gemm
+from slotserve.kernels import cpu_gemm, native
 
-lib = cpu_gemm.library()
+lib = native.library()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the kernel is not built")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
-from slotserve.kernels import attention
+from slotserve.kernels import attention, cpu_attention, native
 from slotserve.kernels.attention import (
     AttentionPlan,
     decode_attention,
@@ -108,7 +108,13 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
         else:
             floor = max(floor, f)
     group = cfg.num_heads // cfg.num_kv_heads
-    if not attention_invariant(group, cfg.num_kv_heads, cfg.head_dim, model.dtype):
+    lib = native.library()
+    if layers.native_attention_for(model.dtype, cfg.head_dim):
+        assert lib is not None
+        attention_ok = cpu_attention.invariant(lib, group, cfg.num_kv_heads, cfg.head_dim)
+    else:
+        attention_ok = attention_invariant(group, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    if not attention_ok:
         failures.append("attention: decode rows differ from the same rows in prefill chunks")
     layers.LINEAR_ROW_FLOOR = floor
     report = ProbeReport(floor, not failures, failures)

@@ -15,14 +15,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels import cpu_gemm
+from slotserve.kernels import cpu_attention, cpu_gemm, native
 from slotserve.kernels.attention import (
+    BLOCK,
     AttentionPlan,
     causal_bias,
     decode_attention,
     segment_attention,
     span_for,
 )
+from slotserve.kernels.cpu_attention import RowTables
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -74,6 +76,7 @@ class Batch:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill: list[tuple[Segment, mx.array]] = field(default_factory=list)  # (seg, blocks)
     order: mx.array | None = None  # puts attention outputs back in row order
+    native: RowTables | None = None  # set when the CPU attention kernel runs this step
 
     @staticmethod
     def build(parts: list[tuple[SlotKV, int, int]]) -> Batch:
@@ -93,8 +96,23 @@ class Batch:
         if segs:
             batch.pool = segs[0].kv.pool
             batch.write_rows = mx.array(np.concatenate(writes).astype(np.int32))
-        batch._group()
+        if batch.pool is not None and native_attention_for(batch.pool.dtype,
+                                                           batch.pool.head_dim):
+            batch.native = batch._row_tables()
+        else:
+            batch._group()
         return batch
+
+    def _row_tables(self) -> RowTables:
+        spans = [span_for(s.start + s.length) // BLOCK for s in self.segments]
+        heads = self.segments[0].kv.pool.num_kv_heads
+        tables = np.zeros((len(self.segments), max(spans), heads), dtype=np.int32)
+        row_table = np.full(self.padded_rows, -1, dtype=np.int32)
+        for t, (seg, nb) in enumerate(zip(self.segments, spans, strict=True)):
+            tables[t, :nb] = seg.kv.blocks(nb * BLOCK)
+            row_table[seg.row : seg.row + seg.length] = t
+        row_pos = np.array(self.positions, dtype=np.int32)
+        return RowTables(tables, row_table, row_pos)
 
     def _group(self) -> None:
         by_span: dict[int, list[Segment]] = {}
@@ -150,7 +168,7 @@ class Linear:
         self.q: QuantizedWeight | None = None
         self.w: mx.array | None = None
         self.kernel: cpu_gemm.Matrix | None = None
-        lib = cpu_gemm.library() if _use_cpu_kernel(compute_dtype, keep_quantized) else None
+        lib = native.library() if _use_cpu_kernel(compute_dtype, keep_quantized) else None
         if isinstance(weight, QuantizedWeight):
             if keep_quantized:
                 self.q = weight
@@ -178,7 +196,7 @@ class Linear:
                     compute_dtype,
                     True,
                 )
-        exact = _use_cpu_kernel(compute_dtype, keep_quantized) and cpu_gemm.library()
+        exact = _use_cpu_kernel(compute_dtype, keep_quantized) and native.library()
         dense = [
             p.dequantize(None if exact else compute_dtype) if isinstance(p, QuantizedWeight)
             else p for p in parts
@@ -299,6 +317,11 @@ def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scal
     n = batch.rows
     pool.keys[layer][batch.write_rows] = k[:n] if k.shape[0] > n else k
     pool.values[layer][batch.write_rows] = v[:n] if v.shape[0] > n else v
+    if batch.native is not None:
+        lib = native.library()
+        assert lib is not None
+        return cpu_attention.attend(lib, q, pool.keys[layer], pool.values[layer], batch.native,
+                                    scale, window)
     keys, values = pool.key_blocks(layer), pool.value_blocks(layer)
     outs = []
     for group in batch.decode_groups:
@@ -313,6 +336,12 @@ def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scal
         outs.append(mx.zeros((extra, *q.shape[1:]), dtype=q.dtype))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out if batch.order is None else out[batch.order]
+
+
+def native_attention_for(dtype: mx.Dtype, head_dim: int) -> bool:
+    """The CPU attention kernel runs steps of this model (CPU, float32 KV, supported shape)."""
+    return (dtype == mx.float32 and mx.default_device() == mx.cpu
+            and cpu_attention.supported(head_dim) and native.library() is not None)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:

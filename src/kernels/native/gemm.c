@@ -14,25 +14,10 @@
  * K must be a multiple of 16 (the Python side pads). Work is split over threads
  * by blocks of 4 weight rows (OpenMP, static schedule).
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef _Float16 v16h_u __attribute__((vector_size(32), aligned(2)));
-typedef uint16_t v16s_u __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t v16i __attribute__((vector_size(64)));
+#include "vec.h"
 
 enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
-enum { NB = 4, RT = 6, LANES = 16 };
-
-static inline v16f load_f(const float *p) { return *(const v16f_u *)p; }
+enum { NB = 4, RT = 6 };
 
 static inline v16f widen(const void *w, int wtype, int64_t i) {
   if (wtype == W_F16) {
@@ -59,23 +44,9 @@ static inline v16f widen(const void *w, int wtype, int64_t i) {
   return load_f((const float *)w + i);
 }
 
-/* The one add tree every output goes through: lanes (i, i+8), (i, i+4), (i, i+2), (i, i+1). */
-static inline float hsum(v16f v) {
-  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  float c0 = b[0] + b[2], c1 = b[1] + b[3];
-  return c0 + c1;
-}
-
 /* Full tile: RT rows of x against the NB weight rows w[0..NB-1]. Weights are loaded once
  * per k step into registers and each x vector once, so a step is NB + RT loads for
  * NB * RT FMAs (with AVX-512: 4 + 6 registers of inputs, 24 accumulators). */
-#if defined(__AVX512F__)
-#define FMA(a, b, c) ((v16f)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
-#else
-#define FMA(a, b, c) ((c) + (a) * (b))
-#endif
 static inline __attribute__((always_inline)) void tile_rows(
     const float *restrict x, int64_t K, const float *const w[NB], float *y, int64_t N,
     const char *pf, int64_t pf_step, const int nr) {

@@ -1,0 +1,85 @@
+"""CPU attention through slotserve's own kernel (native/attention.c), read in place from the pool.
+
+One call per layer covers every row of the step (decode tokens of all slots and
+prefill chunks alike): each row attends to its own slot's keys up to its position.
+MLX's batched matmuls ran one small BLAS call per (slot, kv head, key block) plus
+the softmax as separate ops; this is one pass per (row, head) over 2 cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from slotserve.kernels.cpu_gemm import aligned_copy
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class RowTables:
+    """Where each row of a step reads its keys from (built once per step, numpy int32).
+
+    tables[t, j, h]: pool block of positions j*BLOCK.. of kv head h for table t;
+    row_table[r]: the table of row r (-1 for padding rows); row_pos[r]: its position.
+    """
+
+    tables: np.ndarray
+    row_table: np.ndarray
+    row_pos: np.ndarray
+
+
+def attend(lib: ctypes.CDLL, q: mx.array, keys: mx.array, values: mx.array, rows: RowTables,
+           scale: float, window: int | None) -> mx.array:
+    """q: [R, Hq, D] float32; keys/values: the layer's pool arrays [blocks * BLOCK, D]."""
+    r, hq, d = q.shape
+    hkv = rows.tables.shape[2]
+    mx.eval(q, keys, values)
+    qs = aligned_copy(np.asarray(q))
+    k_host, v_host = np.asarray(keys), np.asarray(values)
+    if not (k_host.flags.c_contiguous and v_host.flags.c_contiguous):
+        raise ValueError("KV pool arrays must be contiguous")
+    out = np.empty((r, hq, d), dtype=np.float32)
+    rc = lib.slot_attention(
+        qs.ctypes.data, r, hq, hkv, d, ctypes.c_float(scale * LOG2E), window or 0,
+        k_host.ctypes.data, v_host.ctypes.data, rows.tables.ctypes.data, rows.tables.shape[1],
+        rows.row_table.ctypes.data, rows.row_pos.ctypes.data, out.ctypes.data,
+    )
+    if rc != 0:
+        raise RuntimeError(f"slot_attention failed (code {rc}; head_dim {d} must be a multiple "
+                           "of 16 and at most 512)")
+    return mx.array(out)
+
+
+def supported(head_dim: int) -> bool:
+    """Head sizes the kernel handles (others use the MLX path)."""
+    return head_dim % 16 == 0 and head_dim <= 512
+
+
+def invariant(lib: ctypes.CDLL, group: int, kv_heads: int, head_dim: int) -> bool:
+    """Probe: a row's output is the same alone, among other slots' rows, and in a prefill chunk."""
+    pages, slots, block = 3, 6, 128
+    cap = pages * block
+    n_blocks = slots * pages * kv_heads
+    keys = mx.random.normal((n_blocks * block, head_dim), key=mx.random.key(11))
+    values = mx.random.normal((n_blocks * block, head_dim), key=mx.random.key(12))
+    q = mx.random.normal((cap, group * kv_heads, head_dim), key=mx.random.key(13))
+    page_ids = np.arange(slots * pages, dtype=np.int32).reshape(slots, pages)[::-1]
+    tables = (page_ids[:, :, None] * kv_heads + np.arange(kv_heads, dtype=np.int32)).copy()
+
+    def run(qrows: mx.array, table: list[int], pos: list[int]) -> np.ndarray:
+        rows = RowTables(tables, np.array(table, np.int32), np.array(pos, np.int32))
+        return np.asarray(attend(lib, qrows, keys, values, rows, head_dim**-0.5, None))
+
+    for pos in (0, 5, block - 1, block + 3, cap - 1):
+        one = run(q[pos : pos + 1], [2], [pos])[0]
+        mixed = run(mx.concatenate([q[:5], q[pos : pos + 1]]), [0, 1, 3, 4, 5, 2],
+                    [7, 300, 0, 128, 99, pos])[5]
+        start = max(0, pos - 7)
+        chunk = run(q[start : pos + 1], [2] * (pos + 1 - start), list(range(start, pos + 1)))[-1]
+        if not (np.array_equal(one, mixed) and np.array_equal(one, chunk)):
+            return False
+    return True

@@ -1,0 +1,120 @@
+/* Causal attention on the CPU, straight out of slotserve's paged KV pool.
+ *
+ * One work item per (batch row, query head): the row's query against the keys of
+ * its own slot at positions lo..pos (pos = the row's absolute position; lo = 0, or
+ * pos - window + 1 for sliding-window layers). Each item runs the same arithmetic
+ * whatever else is in the batch, whether the row is a decode token or one token of
+ * a prefill chunk, and whatever the slot's capacity:
+ *   score_j = hsum(sum over D/16 lane FMAs of q*k_j) * scale   (scale includes log2 e)
+ *   p_j     = exp2(score_j - max)     (our polynomial; under 2^-64 -> exact 0)
+ *   out     = (sum_j p_j v_j in key order) / (sum_j p_j in 16 lanes, then hsum)
+ * so batch invariance holds by construction; the start-up probe re-checks it.
+ *
+ * Pool layout (slotserve.model.kv): [blocks, BLOCK, D] float32, a block being one
+ * (page, kv head). tables[t, j, h] = block holding positions j*BLOCK.. of kv head h
+ * for slot table t; row_table[r] = which table row r reads (-1: padding row -> 0).
+ */
+#include "vec.h"
+
+enum { BLOCK = 128 };
+
+/* 2^x for x in [-64, 0] (inputs below -64 give exactly 0): x = n + 0.5 + f with
+ * |f| <= 0.5, 2^f from its Taylor series to degree 7 (relative error < 1e-8). */
+static inline v16f vselect(v16si mask, v16f a, v16f b) {
+  v16si ai, bi;
+  memcpy(&ai, &a, sizeof ai);
+  memcpy(&bi, &b, sizeof bi);
+  v16si r = (ai & mask) | (bi & ~mask);
+  v16f out;
+  memcpy(&out, &r, sizeof out);
+  return out;
+}
+
+static inline v16f exp2_neg(v16f x) {
+  const v16si keep = x > -64.0f;
+  x = vselect(keep, x, (v16f){0} - 64.0f);
+  v16si n = __builtin_convertvector(x + 64.0f, v16si) - 64; /* floor, as x >= -64 */
+  v16f f = x - __builtin_convertvector(n, v16f) - 0.5f;
+  const float l = 0.6931471805599453f;
+  v16f t = f * l;
+  v16f p = (v16f){0} + 1.0f / 5040.0f;
+  p = FMA(p, t, (v16f){0} + 1.0f / 720.0f);
+  p = FMA(p, t, (v16f){0} + 1.0f / 120.0f);
+  p = FMA(p, t, (v16f){0} + 1.0f / 24.0f);
+  p = FMA(p, t, (v16f){0} + 1.0f / 6.0f);
+  p = FMA(p, t, (v16f){0} + 0.5f);
+  p = FMA(p, t, (v16f){0} + 1.0f);
+  p = FMA(p, t, (v16f){0} + 1.0f);
+  v16si bits = (n + 127) << 23;
+  v16f scale2;
+  memcpy(&scale2, &bits, sizeof scale2);
+  return vselect(keep, p * scale2 * 1.4142135623730951f, (v16f){0});
+}
+
+int slot_attention(const float *q, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                   int64_t window, const float *kpool, const float *vpool,
+                   const int32_t *tables, int64_t nbmax, const int32_t *row_table,
+                   const int32_t *row_pos, float *out) {
+  if (D % LANES != 0 || Hq % Hkv != 0 || D > 512) return -1;
+  const int64_t group = Hq / Hkv, chunks = D / LANES, items = R * Hq;
+  int failed = 0;
+#pragma omp parallel reduction(| : failed)
+  {
+    float *scores = NULL;
+    if (posix_memalign((void **)&scores, 64, sizeof(float) * (nbmax * BLOCK + LANES)) != 0) {
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t it = 0; it < items; it++) {
+      if (failed) continue;
+      const int64_t r = it / Hq, hq = it % Hq, h = hq / group;
+      float *o = out + it * D;
+      const int32_t t = row_table[r];
+      if (t < 0) {
+        memset(o, 0, sizeof(float) * D);
+        continue;
+      }
+      const int64_t pos = row_pos[r];
+      const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+      const int32_t *table = tables + (int64_t)t * nbmax * Hkv;
+      v16f qv[32];
+      for (int64_t c = 0; c < chunks; c++) qv[c] = load_f(q + it * D + c * LANES);
+      /* scores, in key order */
+      float best = -__builtin_inff();
+      for (int64_t j = lo; j <= pos; j++) {
+        const float *k = kpool + ((int64_t)table[(j / BLOCK) * Hkv + h] * BLOCK + j % BLOCK) * D;
+        v16f acc = {0};
+        for (int64_t c = 0; c < chunks; c++) acc = FMA(qv[c], load_f(k + c * LANES), acc);
+        float s = hsum(acc) * scale;
+        scores[j - lo] = s;
+        best = s > best ? s : best;
+      }
+      /* weights and their sum: 16 keys at a time, padding lanes at -inf give 0 */
+      const int64_t n = pos - lo + 1;
+      for (int64_t j = n; j < ((n + LANES - 1) / LANES) * LANES; j++) scores[j] = -__builtin_inff();
+      v16f total = {0};
+      for (int64_t j = 0; j < n; j += LANES) {
+        v16f p = exp2_neg(load_f(scores + j) - best);
+        store_f(scores + j, p);
+        total += p;
+      }
+      const float denom = hsum(total);
+      /* out = sum_j p_j v_j / denom */
+      v16f acc[32];
+      for (int64_t c = 0; c < chunks; c++) acc[c] = (v16f){0};
+      for (int64_t j = 0; j < n; j++) {
+        const float p = scores[j];
+        if (p == 0.0f) continue;
+        const int64_t key = lo + j;
+        const float *v =
+            vpool + ((int64_t)table[(key / BLOCK) * Hkv + h] * BLOCK + key % BLOCK) * D;
+        const v16f pv = (v16f){0} + p;
+        for (int64_t c = 0; c < chunks; c++) acc[c] = FMA(pv, load_f(v + c * LANES), acc[c]);
+      }
+      const v16f inv = (v16f){0} + denom;
+      for (int64_t c = 0; c < chunks; c++) store_f(o + c * LANES, acc[c] / inv);
+    }
+    free(scores);
+  }
+  return failed ? -2 : 0;
+}
