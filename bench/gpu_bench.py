@@ -216,60 +216,37 @@ def micro_matmul(rows: tuple[int, ...] = (1, 8, 64, 128)) -> list[dict[str, Any]
             for r in _matmul_case(n_out, n_in, rows)]
 
 
-def _kv_case(n: int, cap: int, span: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+def _attention_case(n: int, span: int, kv_heads: int, head_dim: int,
+                    group: int) -> dict[str, Any]:
     import mlx.core as mx
 
-    from slotserve.kernels.attention import causal_bias, token_attention
+    from slotserve.kernels.attention import BLOCK, causal_bias, decode_attention
 
-    shape = (kv_heads, cap, head_dim)
-    keys = [mx.zeros(shape, mx.bfloat16) for _ in range(n)]
-    values = [mx.zeros(shape, mx.bfloat16) for _ in range(n)]
-    kpool = mx.zeros((n, cap, kv_heads, head_dim), mx.bfloat16)  # position-major pool
-    vpool = mx.zeros((n, cap, kv_heads, head_dim), mx.bfloat16)
-    k = mx.random.normal((n, kv_heads, 1, head_dim)).astype(mx.bfloat16)
-    q = mx.random.normal((n, kv_heads * 4, head_dim)).astype(mx.bfloat16)
-    pos = span - 1
-    bias = mx.concatenate([causal_bias(pos, 1, span) for _ in range(n)])
-    rows = mx.arange(n)
-    where = mx.full((n,), pos, dtype=mx.int32)
-    mx.eval(keys, values, kpool, vpool, k, q, bias, rows, where)
-
-    def per_slot() -> list[mx.array]:
-        for i in range(n):
-            keys[i][:, pos : pos + 1, :] = k[i]
-            values[i][:, pos : pos + 1, :] = k[i]
-        ks = mx.stack([a[:, :span] for a in keys])
-        vs = mx.stack([a[:, :span] for a in values])
-        return [ks, vs, *keys, *values]
-
-    def pooled() -> list[mx.array]:
-        kpool[rows, where] = k[:, :, 0, :]
-        vpool[rows, where] = k[:, :, 0, :]
-        ks = mx.contiguous(kpool[:, :span].transpose(0, 2, 1, 3))
-        vs = mx.contiguous(vpool[:, :span].transpose(0, 2, 1, 3))
-        return [ks, vs, kpool, vpool]
-
-    ks, vs = mx.stack([a[:, :span] for a in keys]), mx.stack([a[:, :span] for a in values])
-    mx.eval(ks, vs)
-    t_att = _timed(lambda: token_attention(q, ks, vs, bias, head_dim**-0.5))
-    r = {"slots": n, "span": span, "per_slot_write_stack_us": round(_timed(per_slot) * 1e6),
-         "pooled_scatter_slice_us": round(_timed(pooled) * 1e6),
-         "attention_us": round(t_att * 1e6)}
-    emit({"micro_kv": r})
+    nb = span // BLOCK
+    pool_blocks = n * nb * kv_heads
+    keys = mx.random.normal((pool_blocks, BLOCK, head_dim)).astype(mx.bfloat16)
+    values = mx.random.normal((pool_blocks, BLOCK, head_dim)).astype(mx.bfloat16)
+    blocks = mx.random.permutation(pool_blocks).reshape(n, nb, kv_heads).astype(mx.int32)
+    q = mx.random.normal((n, kv_heads * group, head_dim)).astype(mx.bfloat16)
+    bias = mx.concatenate([causal_bias(span - 1 - i % 7, 1, span) for i in range(n)])
+    mx.eval(keys, values, blocks, q, bias)
+    r: dict[str, Any] = {"slots": n, "span": span}
+    for method in ("take", "gather_mm"):
+        try:
+            t = _timed(lambda m=method: decode_attention(q, keys, values, blocks, bias,
+                                                         head_dim**-0.5, m))
+            r[f"{method}_us"] = round(t * 1e6)
+        except Exception as exc:  # report a method MLX cannot run here, measure the other
+            r[f"{method}_error"] = str(exc)[:200]
+    emit({"micro_attention": r})
     return r
 
 
-def micro_kv(slots: tuple[int, ...] = (8, 64, 128), cap: int = 512, span: int = 256,
-             kv_heads: int = 8, head_dim: int = 128) -> list[dict[str, Any]]:
-    """One layer's decode KV traffic: per-slot caches (today) vs one pooled array per layer.
-
-    per_slot: each slot writes its new K/V with a slice update, then the group's caches
-    are stacked for attention (what `attend` does). pooled: one scatter writes all
-    slots' K/V into [slots, cap, kv_heads, head_dim] and one copy lays out the span
-    [slots, kv_heads, span, head_dim] for attention.
-    `attention`: token_attention itself on the stacked K/V (the same for both).
-    """
-    return [_kv_case(n, cap, span, kv_heads, head_dim) for n in slots]
+def micro_attention(slots: tuple[int, ...] = (8, 64, 128), span: int = 256, kv_heads: int = 8,
+                    head_dim: int = 128, group: int = 4) -> list[dict[str, Any]]:
+    """One layer's decode attention over the paged pool (Llama-3-8B heads), both ways
+    `block_matmul` can run it: gather the blocks then batched matmul, or gather_mm."""
+    return [_attention_case(n, span, kv_heads, head_dim, group) for n in slots]
 
 
 # ---- engine-level checks ---------------------------------------------------------------------
@@ -402,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-invariance", action="store_true")
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
-                   help="only the micro-benchmarks (matmul by rows, KV traffic); no model")
+                   help="only the micro-benchmarks (matmul by rows, attention); no model")
     args = p.parse_args(argv)
     if args.micro:
         import mlx.core as mx
@@ -410,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "gpu":
             mx.set_default_device(mx.gpu)
         report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "mlx": mx.__version__,
-                  "memory": memory_bandwidth(), "matmul": micro_matmul(), "kv": micro_kv()}
+                  "memory": memory_bandwidth(), "matmul": micro_matmul(),
+                  "attention": micro_attention()}
     else:
         report = anyio.run(run, args)
     text = json.dumps(report, indent=2)

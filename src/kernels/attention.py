@@ -13,9 +13,10 @@ whatever the slot's KV capacity. BLAS picks kernels by matrix shape, so:
 * P·V is cut into blocks of BLOCK keys at fixed absolute offsets, so every GEMM
   has the same reduction length; the blocks are summed one after another.
 
-K/V are read in place from the paged pool (slotserve.model.kv): `mx.gather_mm`
-runs one small GEMM per (slot, key block, kv head) with the block chosen by index,
-so no step copies or stacks anyone's cache. Decode rows of many slots run as one
+K/V live in the paged pool (slotserve.model.kv); one small GEMM runs per (slot,
+key block, kv head) with the block chosen by index (`block_matmul`). On the CPU
+this module is the fallback: slotserve.kernels.cpu_attention runs instead when
+its native kernel is built. Decode rows of many slots run as one
 batched dispatch; a prefill chunk attends over its own slot's blocks. The start-up
 probe (slotserve.kernels.invariance) checks all of this on the machine it runs on.
 """
@@ -90,8 +91,26 @@ def paged_blocks(caches: list[mx.array]) -> tuple[mx.array, mx.array]:
     return mx.concatenate(blocks), mx.stack(indices)
 
 
+def block_matmul(a: mx.array, pool: mx.array, blocks: mx.array, a_index: mx.array | None = None,
+                 transpose: bool = False, method: str | None = None) -> mx.array:
+    """a (or a[a_index]) times pool[blocks] (or its transpose), per (slot, key block, kv head).
+
+    method "gather_mm" multiplies straight out of the pool (one BLAS call per block on
+    the CPU, nothing copied); "take" gathers the blocks first and runs one batched
+    matmul (the GPU's choice: cuBLAS batched GEMM; the copy is cheap at GPU bandwidth).
+    Default: gather_mm on the CPU, take on the GPU.
+    """
+    method = method or ("gather_mm" if mx.default_device() == mx.cpu else "take")
+    b = pool.swapaxes(-1, -2) if transpose else pool
+    if method == "gather_mm":
+        return mx.gather_mm(a, b, a_index, blocks)
+    if method != "take":
+        raise ValueError(f"unknown block matmul method {method!r}")
+    return (a if a_index is None else a[a_index]) @ b[blocks]
+
+
 def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
-                      bias: mx.array, scale: float) -> mx.array:
+                      bias: mx.array, scale: float, method: str | None = None) -> mx.array:
     """Attention for M query rows per (slot, kv head), reading K/V in place from the pool.
 
     qh: [S, Hkv, M, D]; keys/values: [B, BLOCK, D] pool blocks; blocks: [S, nb, Hkv]
@@ -109,8 +128,8 @@ def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx
         (mx.arange(s_, dtype=mx.int32)[:, None] * hkv + mx.arange(hkv, dtype=mx.int32))[:, None],
         blocks.shape,
     )
-    # one GEMM per (slot, key block, kv head): [M, D] x [D, BLOCK], straight from the pool
-    scores = mx.gather_mm(qh.reshape(s_ * hkv, mp, d), keys.swapaxes(-1, -2), q_index, blocks)
+    # one GEMM per (slot, key block, kv head): [M, D] x [D, BLOCK]
+    scores = block_matmul(qh.reshape(s_ * hkv, mp, d), keys, blocks, q_index, True, method)
     scores = scores[:, :, :, :m].transpose(0, 2, 3, 1, 4).reshape(s_, hkv, m, nb * BLOCK)
     scores = scores.astype(mx.float32) + bias[:, None]
     # weights under 2^-64 of the largest become exact zeros: far below float32 resolution
@@ -120,18 +139,18 @@ def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx
     denom = probs.sum(axis=-1)  # [S, hkv, m]
     pb = probs.astype(values.dtype).reshape(s_, hkv, m, nb, BLOCK).transpose(0, 3, 1, 2, 4)
     # P.V per key block (fixed reduction length BLOCK), blocks summed in order
-    out = mx.gather_mm(pb, values, None, blocks).sum(axis=1)  # [S, hkv, m, d]
+    out = block_matmul(pb, values, blocks, method=method).sum(axis=1)  # [S, hkv, m, d]
     return out / denom[..., None].astype(out.dtype)
 
 
 def decode_attention(q: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
-                     bias: mx.array, scale: float) -> mx.array:
+                     bias: mx.array, scale: float, method: str | None = None) -> mx.array:
     """One decode token per slot. q: [S, Hq, D]; blocks [S, nb, Hkv]; bias [S, nb * BLOCK]."""
     s_, hq, d = q.shape
     hkv = blocks.shape[2]
     group = hq // hkv
     qh = q.reshape(s_, hkv, group, d)
-    out = grouped_attention(qh, keys, values, blocks, bias[:, None, :], scale)
+    out = grouped_attention(qh, keys, values, blocks, bias[:, None, :], scale, method)
     return out.reshape(s_, hq, d)
 
 
