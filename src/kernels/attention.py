@@ -101,12 +101,13 @@ def block_matmul(a: mx.array, pool: mx.array, blocks: mx.array, a_index: mx.arra
     Default: gather_mm on the CPU, take on the GPU.
     """
     method = method or ("gather_mm" if mx.default_device() == mx.cpu else "take")
-    b = pool.swapaxes(-1, -2) if transpose else pool
     if method == "gather_mm":
-        return mx.gather_mm(a, b, a_index, blocks)
+        return mx.gather_mm(a, pool.swapaxes(-1, -2) if transpose else pool, a_index, blocks)
     if method != "take":
         raise ValueError(f"unknown block matmul method {method!r}")
-    return (a if a_index is None else a[a_index]) @ b[blocks]
+    picked = pool[blocks]  # gather from the contiguous pool, then view it transposed
+    return (a if a_index is None else a[a_index]) @ (picked.swapaxes(-1, -2) if transpose
+                                                    else picked)
 
 
 def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
