@@ -95,12 +95,12 @@ def block_matmul(a: mx.array, pool: mx.array, blocks: mx.array, a_index: mx.arra
                  transpose: bool = False, method: str | None = None) -> mx.array:
     """a (or a[a_index]) times pool[blocks] (or its transpose), per (slot, key block, kv head).
 
-    method "gather_mm" multiplies straight out of the pool (one BLAS call per block on
-    the CPU, nothing copied); "take" gathers the blocks first and runs one batched
-    matmul (the GPU's choice: cuBLAS batched GEMM; the copy is cheap at GPU bandwidth).
-    Default: gather_mm on the CPU, take on the GPU.
+    method "gather_mm" (the default) multiplies straight out of the pool, nothing
+    copied; "take" gathers the blocks first and runs one batched matmul. Measured on
+    the H200 (Llama-3-8B heads, span 256, one layer): gather_mm 361 / 443 / 462 us at
+    8 / 64 / 128 slots, take 629 / 964 / 1368 us; on the CPU gather_mm is faster too.
     """
-    method = method or ("gather_mm" if mx.default_device() == mx.cpu else "take")
+    method = method or "gather_mm"
     if method == "gather_mm":
         return mx.gather_mm(a, pool.swapaxes(-1, -2) if transpose else pool, a_index, blocks)
     if method != "take":
