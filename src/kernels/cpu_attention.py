@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels.cpu_gemm import aligned_copy
+from slotserve.kernels.cpu_gemm import Matrix, aligned_empty, to_host
 
 LOG2E = 1.4426950408889634
 
@@ -30,28 +30,71 @@ class RowTables:
     tables: np.ndarray
     row_table: np.ndarray
     row_pos: np.ndarray
+    write_rows: np.ndarray | None = None  # [real rows, kv_heads] pool row of each K/V head
+
+
+def _run(lib: ctypes.CDLL, q: np.ndarray, q_stride: int, r: int, hq: int, hkv: int, d: int,
+         keys: np.ndarray, values: np.ndarray, rows: RowTables, scale: float,
+         window: int | None) -> np.ndarray:
+    out = aligned_empty((r, hq * d))
+    rc = lib.slot_attention(
+        q.ctypes.data, q_stride, r, hq, hkv, d, ctypes.c_float(scale * LOG2E), window or 0,
+        keys.ctypes.data, values.ctypes.data, rows.tables.ctypes.data, rows.tables.shape[1],
+        rows.row_table.ctypes.data, rows.row_pos.ctypes.data, out.ctypes.data,
+    )
+    if rc != 0:
+        raise RuntimeError(f"slot_attention failed (code {rc}; head_dim {d} must be a multiple "
+                           "of 16 and at most 512)")
+    return out
+
+
+def _pool_host(keys: mx.array, values: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's pool arrays as host views (no copy; the kernels read and write them)."""
+    mx.eval(keys, values)
+    k_host, v_host = np.asarray(keys), np.asarray(values)
+    if not (k_host.flags.c_contiguous and v_host.flags.c_contiguous):
+        raise ValueError("KV pool arrays must be contiguous")
+    return k_host, v_host
 
 
 def attend(lib: ctypes.CDLL, q: mx.array, keys: mx.array, values: mx.array, rows: RowTables,
            scale: float, window: int | None) -> mx.array:
     """q: [R, Hq, D] float32; keys/values: the layer's pool arrays [blocks * BLOCK, D]."""
     r, hq, d = q.shape
-    hkv = rows.tables.shape[2]
-    mx.eval(q, keys, values)
-    qs = aligned_copy(np.asarray(q))
-    k_host, v_host = np.asarray(keys), np.asarray(values)
-    if not (k_host.flags.c_contiguous and v_host.flags.c_contiguous):
-        raise ValueError("KV pool arrays must be contiguous")
-    out = np.empty((r, hq, d), dtype=np.float32)
-    rc = lib.slot_attention(
-        qs.ctypes.data, r, hq, hkv, d, ctypes.c_float(scale * LOG2E), window or 0,
-        k_host.ctypes.data, v_host.ctypes.data, rows.tables.ctypes.data, rows.tables.shape[1],
-        rows.row_table.ctypes.data, rows.row_pos.ctypes.data, out.ctypes.data,
-    )
-    if rc != 0:
-        raise RuntimeError(f"slot_attention failed (code {rc}; head_dim {d} must be a multiple "
-                           "of 16 and at most 512)")
-    return mx.array(out)
+    k_host, v_host = _pool_host(keys, values)
+    out = _run(lib, to_host(q.reshape(r, hq * d)), hq * d, r, hq, rows.tables.shape[2], d,
+               k_host, v_host, rows, scale, window)
+    return mx.array(out).reshape(r, hq, d)
+
+
+@dataclass
+class RopeTables:
+    """A model's cos/sin tables [positions, head_dim] as float32 host views."""
+
+    cos: np.ndarray
+    sin: np.ndarray
+
+
+def attention_block(lib: ctypes.CDLL, qkv: Matrix, x: mx.array, heads: int, kv_heads: int,
+                    head_dim: int, rope: RopeTables, keys: mx.array, values: mx.array,
+                    rows: RowTables, scale: float, window: int | None = None) -> np.ndarray:
+    """QKV projection, RoPE, K/V into the pool and attention, in native memory.
+
+    Returns the attention output [R, heads * head_dim] (host) for the output projection.
+    """
+    y = qkv.host(to_host(x))  # [R, (heads + 2 kv_heads) * head_dim]: q heads, k heads, v heads
+    r, stride = y.shape
+    assert rows.write_rows is not None
+    # q and k heads are adjacent in the row: one RoPE pass over heads + kv_heads
+    lib.slot_rope(y.ctypes.data, r, stride, heads + kv_heads, head_dim, rope.cos.ctypes.data,
+                  rope.sin.ctypes.data, rows.row_pos.ctypes.data)
+    k_host, v_host = _pool_host(keys, values)
+    lib.slot_kv_write(k_host.ctypes.data, v_host.ctypes.data, y.ctypes.data,
+                      rows.write_rows.shape[0], stride, heads * head_dim,
+                      (heads + kv_heads) * head_dim, kv_heads, head_dim,
+                      rows.write_rows.ctypes.data)
+    return _run(lib, y, stride, r, heads, kv_heads, head_dim, k_host, v_host, rows, scale,
+                window)
 
 
 def supported(head_dim: int) -> bool:

@@ -19,6 +19,31 @@ _WTYPE = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 _NP_VIEW = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
 
+def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialized float32 array starting on a 64-byte boundary (MLX buffers are not:
+    misaligned rows cost the kernels ~20 %, every vector load splitting a cache line)."""
+    size = int(np.prod(shape))
+    buf = np.empty(size + 16, dtype=np.float32)
+    start = (-buf.ctypes.data % 64) // 4
+    return buf[start : start + size].reshape(shape)
+
+
+def aligned_copy(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous, 64-byte aligned float32 copy of a."""
+    out = aligned_empty(a.shape)
+    np.copyto(out, a)
+    return out
+
+
+def to_host(x: mx.array) -> np.ndarray:
+    """x (evaluated now) as an aligned float32 [rows, last dim] host array."""
+    mx.eval(x)
+    h = np.asarray(x)
+    if h.dtype != np.float32:
+        h = h.astype(np.float32)
+    return aligned_copy(h.reshape(-1, h.shape[-1]))
+
+
 class Matrix:
     """A weight W [N, K] (float32, float16 or bfloat16) multiplied as y = x W^T in f32."""
 
@@ -39,28 +64,29 @@ class Matrix:
             self._host = np.ascontiguousarray(np.asarray(w, dtype=_NP_VIEW[self.w.dtype]))
         return self._host
 
-    def __call__(self, x: mx.array) -> mx.array:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+    def host(self, xs: np.ndarray) -> np.ndarray:
+        """y = xs W^T for an aligned float32 host array xs [rows, K]; y is aligned too."""
         if self.pad:
-            x2 = mx.pad(x2, [(0, 0), (0, self.pad)])
-        mx.eval(x2)
-        xs = aligned_copy(np.asarray(x2))
+            xs = aligned_copy(np.pad(xs, [(0, 0), (0, self.pad)]))
         w = self._weights()
         rows = xs.shape[0]
-        y = np.empty((rows, self.n), dtype=np.float32)
+        y = aligned_empty((rows, self.n))
         rc = self.lib.slot_gemm(xs.ctypes.data, rows, self.k + self.pad, w.ctypes.data,
                                 self.wtype, self.n, y.ctypes.data)
         if rc != 0:
             raise RuntimeError(f"slot_gemm failed (code {rc})")
-        return mx.array(y).reshape(*lead, self.n)
+        return y
+
+    def __call__(self, x: mx.array) -> mx.array:
+        lead = x.shape[:-1]
+        return mx.array(self.host(to_host(x))).reshape(*lead, self.n)
 
 
-def aligned_copy(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous float32 copy starting on a 64-byte boundary (MLX buffers are not):
-    misaligned rows cost the kernel ~20 % (every vector load splits a cache line)."""
-    buf = np.empty(a.size + 16, dtype=np.float32)
-    start = (-buf.ctypes.data % 64) // 4
-    out = buf[start : start + a.size].reshape(a.shape)
-    np.copyto(out, a)
-    return out
+def swiglu_mlp(lib: ctypes.CDLL, gate_up: Matrix, down: Matrix, x: mx.array) -> mx.array:
+    """down(silu(gate(x)) * up(x)) with gate_up = [gate; up], all in native memory."""
+    gu = gate_up.host(to_host(x))
+    inter = gate_up.n // 2
+    h = aligned_empty((gu.shape[0], inter))
+    if lib.slot_swiglu(gu.ctypes.data, gu.shape[0], inter, h.ctypes.data) != 0:
+        raise RuntimeError("slot_swiglu failed (intermediate size must be a multiple of 16)")
+    return mx.array(down.host(h))

@@ -24,7 +24,7 @@ from slotserve.kernels.attention import (
     segment_attention,
     span_for,
 )
-from slotserve.kernels.cpu_attention import RowTables
+from slotserve.kernels.cpu_attention import RopeTables, RowTables
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -93,12 +93,14 @@ class Batch:
             row += length
         pos.extend([0] * (LINEAR_ROW_FLOOR - len(pos)))  # padding rows (discarded)
         batch = Batch(segs, mx.array(pos, dtype=mx.int32))
+        write_rows = np.concatenate(writes).astype(np.int32) if segs else None
         if segs:
             batch.pool = segs[0].kv.pool
-            batch.write_rows = mx.array(np.concatenate(writes).astype(np.int32))
+            batch.write_rows = mx.array(write_rows)
         if batch.pool is not None and native_attention_for(batch.pool.dtype,
                                                            batch.pool.head_dim):
             batch.native = batch._row_tables()
+            batch.native.write_rows = write_rows
         else:
             batch._group()
         return batch
@@ -283,6 +285,7 @@ class Rope:
         self.dtype = dtype
         self.size = 0
         self.cos = self.sin = mx.zeros((0,))
+        self._host: RopeTables | None = None
 
     def _grow(self, n: int) -> None:
         size = max(4096, 1 << (n - 1).bit_length())
@@ -291,6 +294,14 @@ class Rope:
         self.cos, self.sin = mx.cos(emb).astype(self.dtype), mx.sin(emb).astype(self.dtype)
         mx.eval(self.cos, self.sin)
         self.size = size
+
+    def host_tables(self) -> RopeTables:
+        """The whole cos/sin tables as float32 host views (for the native CPU kernels)."""
+        if self._host is None or self._host.cos.shape[0] != self.size:
+            mx.eval(self.cos, self.sin)
+            self._host = RopeTables(np.asarray(self.cos.astype(mx.float32)),
+                                    np.asarray(self.sin.astype(mx.float32)))
+        return self._host
 
     def tables(self, positions: mx.array, max_pos: int) -> tuple[mx.array, mx.array]:
         if max_pos >= self.size:

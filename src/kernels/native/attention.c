@@ -6,52 +6,21 @@
  * whatever else is in the batch, whether the row is a decode token or one token of
  * a prefill chunk, and whatever the slot's capacity:
  *   score_j = hsum(sum over D/16 lane FMAs of q*k_j) * scale   (scale includes log2 e)
- *   p_j     = exp2(score_j - max)     (our polynomial; under 2^-64 -> exact 0)
+ *   p_j     = exp2(score_j - max)     (exp2_neg in vec.h; under 2^-64 -> exact 0)
  *   out     = (sum_j p_j v_j in key order) / (sum_j p_j in 16 lanes, then hsum)
  * so batch invariance holds by construction; the start-up probe re-checks it.
  *
  * Pool layout (slotserve.model.kv): [blocks, BLOCK, D] float32, a block being one
  * (page, kv head). tables[t, j, h] = block holding positions j*BLOCK.. of kv head h
  * for slot table t; row_table[r] = which table row r reads (-1: padding row -> 0).
+ * Row r's query heads start at q + r * q_stride (so q may sit inside a fused QKV row).
  */
 #include "vec.h"
 
 enum { BLOCK = 128 };
 
-/* 2^x for x in [-64, 0] (inputs below -64 give exactly 0): x = n + 0.5 + f with
- * |f| <= 0.5, 2^f from its Taylor series to degree 7 (relative error < 1e-8). */
-static inline v16f vselect(v16si mask, v16f a, v16f b) {
-  v16si ai, bi;
-  memcpy(&ai, &a, sizeof ai);
-  memcpy(&bi, &b, sizeof bi);
-  v16si r = (ai & mask) | (bi & ~mask);
-  v16f out;
-  memcpy(&out, &r, sizeof out);
-  return out;
-}
-
-static inline v16f exp2_neg(v16f x) {
-  const v16si keep = x > -64.0f;
-  x = vselect(keep, x, (v16f){0} - 64.0f);
-  v16si n = __builtin_convertvector(x + 64.0f, v16si) - 64; /* floor, as x >= -64 */
-  v16f f = x - __builtin_convertvector(n, v16f) - 0.5f;
-  const float l = 0.6931471805599453f;
-  v16f t = f * l;
-  v16f p = (v16f){0} + 1.0f / 5040.0f;
-  p = FMA(p, t, (v16f){0} + 1.0f / 720.0f);
-  p = FMA(p, t, (v16f){0} + 1.0f / 120.0f);
-  p = FMA(p, t, (v16f){0} + 1.0f / 24.0f);
-  p = FMA(p, t, (v16f){0} + 1.0f / 6.0f);
-  p = FMA(p, t, (v16f){0} + 0.5f);
-  p = FMA(p, t, (v16f){0} + 1.0f);
-  p = FMA(p, t, (v16f){0} + 1.0f);
-  v16si bits = (n + 127) << 23;
-  v16f scale2;
-  memcpy(&scale2, &bits, sizeof scale2);
-  return vselect(keep, p * scale2 * 1.4142135623730951f, (v16f){0});
-}
-
-int slot_attention(const float *q, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int64_t Hkv,
+                   int64_t D, float scale,
                    int64_t window, const float *kpool, const float *vpool,
                    const int32_t *tables, int64_t nbmax, const int32_t *row_table,
                    const int32_t *row_pos, float *out) {
@@ -78,7 +47,8 @@ int slot_attention(const float *q, int64_t R, int64_t Hq, int64_t Hkv, int64_t D
       const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
       const int32_t *table = tables + (int64_t)t * nbmax * Hkv;
       v16f qv[32];
-      for (int64_t c = 0; c < chunks; c++) qv[c] = load_f(q + it * D + c * LANES);
+      const float *qrow = q + r * q_stride + hq * D;
+      for (int64_t c = 0; c < chunks; c++) qv[c] = load_f(qrow + c * LANES);
       /* scores, in key order */
       float best = -__builtin_inff();
       for (int64_t j = lo; j <= pos; j++) {

@@ -41,3 +41,38 @@ static inline float hsum(v16f v) {
   return c0 + c1;
 }
 
+
+/* Lanes of a where mask is set, else lanes of b. */
+static inline v16f vselect(v16si mask, v16f a, v16f b) {
+  v16si ai, bi;
+  memcpy(&ai, &a, sizeof ai);
+  memcpy(&bi, &b, sizeof bi);
+  v16si r = (ai & mask) | (bi & ~mask);
+  v16f out;
+  memcpy(&out, &r, sizeof out);
+  return out;
+}
+
+/* 2^x for x in [-64, 0] (inputs below -64 give exactly 0): x = n + 0.5 + f with
+ * |f| <= 0.5, 2^f from its Taylor series to degree 7 (relative error < 1e-8). */
+static inline v16f exp2_neg(v16f x) {
+  const v16si keep = x > -64.0f;
+  x = vselect(keep, x, (v16f){0} - 64.0f);
+  v16si n = __builtin_convertvector(x + 64.0f, v16si) - 64; /* floor, as x >= -64 */
+  v16f f = x - __builtin_convertvector(n, v16f) - 0.5f;
+  const float l = 0.6931471805599453f;
+  v16f t = f * l;
+  v16f p = (v16f){0} + 1.0f / 5040.0f;
+  p = FMA(p, t, (v16f){0} + 1.0f / 720.0f);
+  p = FMA(p, t, (v16f){0} + 1.0f / 120.0f);
+  p = FMA(p, t, (v16f){0} + 1.0f / 24.0f);
+  p = FMA(p, t, (v16f){0} + 1.0f / 6.0f);
+  p = FMA(p, t, (v16f){0} + 0.5f);
+  p = FMA(p, t, (v16f){0} + 1.0f);
+  p = FMA(p, t, (v16f){0} + 1.0f);
+  v16si bits = (n + 127) << 23;
+  v16f scale2;
+  memcpy(&scale2, &bits, sizeof scale2);
+  return vselect(keep, p * scale2 * 1.4142135623730951f, (v16f){0});
+}
+

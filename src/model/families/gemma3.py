@@ -76,7 +76,7 @@ class Block:
         self.post_mlp_norm = GemmaNorm(w[f"{p}.post_feedforward_layernorm.weight"], eps)
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array) -> mx.array:
+                 sin: mx.array, rope: Rope | None = None) -> mx.array:
         h = x + self.post_attn_norm(self.attn(self.in_norm(x), batch, layer, cos, sin))
         return h + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(h)))
 

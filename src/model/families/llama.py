@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from slotserve.kernels import cpu_attention, cpu_gemm, native
 from slotserve.model.config import ModelConfig
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.layers import Batch, Embedding, Linear, Rope, attend, pad_rows, rms_norm
@@ -11,6 +12,10 @@ from slotserve.model.weights import Tensor
 
 
 class Attention:
+    # Runs as one native block on the CPU (QKV, RoPE, K/V write, attention) when it can;
+    # subclasses that change q/k between projection and RoPE (Qwen3's norms) opt out.
+    native_block = True
+
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
                  quant: bool) -> None:
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -31,7 +36,18 @@ class Attention:
         return q, k, v
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array) -> mx.array:
+                 sin: mx.array, rope: Rope | None = None) -> mx.array:
+        lib = native.library()
+        if (self.native_block and batch.native is not None and rope is not None
+                and lib is not None and self.qkv.kernel is not None
+                and self.o.kernel is not None):
+            pool = batch.pool
+            assert pool is not None
+            out = cpu_attention.attention_block(
+                lib, self.qkv.kernel, x, self.heads, self.kv_heads, self.head_dim,
+                rope.host_tables(), pool.keys[layer], pool.values[layer], batch.native,
+                self.scale)
+            return mx.array(self.o.kernel.host(out))
         q, k, v = self.split_heads(x)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
@@ -46,6 +62,9 @@ class MLP:
         self.down = Linear(w[f"{p}.down_proj.weight"], dtype, quant)
 
     def __call__(self, x: mx.array) -> mx.array:
+        lib = native.library()
+        if lib is not None and self.gate_up.kernel is not None and self.down.kernel is not None:
+            return cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x)
         gu = self.gate_up(x)
         g, u = gu[:, : self.inter], gu[:, self.inter :]
         return self.down(g * mx.sigmoid(g) * u)
@@ -62,8 +81,8 @@ class Block:
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array) -> mx.array:
-        h = x + self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin)
+                 sin: mx.array, rope: Rope | None = None) -> mx.array:
+        h = x + self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin, rope)
         return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
 
 
@@ -102,7 +121,7 @@ class Model:
         cos, sin = self.rope.tables(batch.positions, max_pos)
         x = self.embed_tokens(batch.pad_tokens(tokens))
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, i, cos, sin)
+            x = layer(x, batch, i, cos, sin, self.rope)
         if not logit_rows:
             return None
         x = x[mx.array(logit_rows, dtype=mx.int32)]

@@ -19,6 +19,8 @@ from slotserve.model.weights import Tensor
 
 
 class Attention(llama.Attention):
+    native_block = False  # q/k norms sit between the projection and RoPE
+
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
                  quant: bool) -> None:
         super().__init__(cfg, w, p, dtype, quant)

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from slotserve.model.config import ModelConfig
 from slotserve.model.families import llama, qwen3
-from slotserve.model.layers import Batch, Linear, rms_norm
+from slotserve.model.layers import Batch, Linear, Rope, rms_norm
 from slotserve.model.weights import QuantizedWeight, Tensor
 
 # From this many (row, expert) pairs, issuing them grouped by expert pays on CPU
@@ -164,7 +164,7 @@ class Block(qwen3.Block):
         return llama.MLP(w, p, dtype, quant)
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array) -> mx.array:
+                 sin: mx.array, rope: Rope | None = None) -> mx.array:
         """As llama's block, but telling the MoE which rows are padding."""
         h = x + self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin)
         y = rms_norm(h, self.post_norm, self.eps)
