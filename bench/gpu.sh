@@ -46,7 +46,6 @@ if want env; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $PY -c 'import sys, mlx.core as mx; print(sys.version.split()[0], "mlx", mx.__version__,
 mx.default_device(), "gpu:", mx.is_available(mx.gpu))'
-  git log -1 --format='commit %h %s' 2>/dev/null || true
   sha256sum src/kernels/attention.py src/model/layers.py src/model/kv.py \
     src/runtime/runner.py src/model/families/*.py src/synth.py | cut -c1-16,65-
   timeout 60 $PY - <<'EOF'
