@@ -96,7 +96,13 @@ class Batcher(Actor[BatcherMessage]):
             await self.handle(msg)
 
     def _plan(self) -> list[RowWork]:
-        """Decode rows first (one token each), then prefill chunks FCFS under the budget."""
+        """Decode rows first (one token each), then prefill chunks under the token budget.
+
+        Prefill: the oldest waiting prompt always gets at least half the budget (nothing
+        starves), the rest goes to the prompts closest to their first token, so a short
+        chat is not held behind a long document. Chunking never changes a request's tokens:
+        rows are computed the same way in any batch (the batch-invariance rules).
+        """
         decode: list[Slot] = []
         prefill: list[Slot] = []
         for sid, epoch in self.ready.items():
@@ -107,19 +113,33 @@ class Batcher(Actor[BatcherMessage]):
         self.ready.clear()
         work = [s.work(1) for s in decode]
         budget = max(self.prefill_budget - len(work), 1)
-        prefill.sort(key=lambda s: s.arrived_at)
-        for slot in prefill:
-            if budget <= 0:
+        for slot, take in self._share_prefill(prefill, budget):
+            if take <= 0:
                 self.ready[slot.id] = slot.epoch  # next tick
-                continue
-            w = slot.work(budget)
-            budget -= len(w.tokens)
-            work.append(w)
+            else:
+                work.append(slot.work(take))
         for w in work:
             slot = self.slots[w.slot_id]
             slot.in_flight = True
             w.epoch = slot.epoch
         return work
+
+    @staticmethod
+    def _share_prefill(prefill: list[Slot], budget: int) -> list[tuple[Slot, int]]:
+        """(slot, tokens to feed this tick) for every slot waiting to prefill."""
+        if not prefill:
+            return []
+        prefill.sort(key=lambda s: s.arrived_at)
+        oldest = prefill[0]
+        floor = min(len(oldest.pending), max(budget // 2, 1))
+        left = budget - floor
+        shares: dict[int, int] = {}
+        for slot in sorted(prefill[1:], key=lambda s: (len(s.pending), s.arrived_at)):
+            take = min(len(slot.pending), left)
+            shares[slot.id] = take
+            left -= take
+        shares[oldest.id] = min(len(oldest.pending), floor + left)
+        return [(s, shares[s.id]) for s in prefill]
 
     async def _step(self, work: list[RowWork]) -> None:
         t0 = time.perf_counter()

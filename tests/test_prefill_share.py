@@ -1,0 +1,41 @@
+"""How the Batcher shares a tick's prefill budget between waiting prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slotserve.actors.batcher import Batcher
+
+
+@dataclass
+class Waiting:
+    id: int
+    arrived_at: float
+    pending: list[int] = field(default_factory=list)
+
+
+def _share(slots: list[Waiting], budget: int) -> dict[int, int]:
+    return {s.id: take for s, take in Batcher._share_prefill(slots, budget)}  # type: ignore[arg-type]
+
+
+def test_short_prompt_is_not_held_behind_a_long_one() -> None:
+    long_doc = Waiting(1, 0.0, [0] * 2000)
+    chat = Waiting(2, 1.0, [0] * 40)
+    assert _share([long_doc, chat], 256) == {1: 216, 2: 40}
+
+
+def test_oldest_always_gets_half_the_budget() -> None:
+    oldest = Waiting(1, 0.0, [0] * 2000)
+    others = [Waiting(i, float(i), [0] * 100) for i in range(2, 6)]
+    shares = _share([oldest, *others], 256)
+    assert shares[1] == 128
+    assert sum(shares.values()) == 256
+    assert shares[2] == 100 and shares[3] == 28 and shares[4] == 0 and shares[5] == 0
+
+
+def test_budget_never_exceeded_and_nothing_lost() -> None:
+    slots = [Waiting(i, float(i), [0] * n) for i, n in enumerate([5, 300, 1, 64])]
+    shares = _share(slots, 256)
+    assert sum(shares.values()) <= 256
+    assert all(0 <= shares[s.id] <= len(s.pending) for s in slots)
+    assert _share([Waiting(9, 0.0, [0] * 3)], 256) == {9: 3}
