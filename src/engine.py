@@ -313,8 +313,9 @@ class Engine:
     # ---- introspection -----------------------------------------------------------
 
     def drop_retained(self) -> int:
-        """Evict every idle slot's retained KV (forces cold prefills); returns bytes freed."""
-        freed = 0
+        """Evict every idle slot's retained KV and every parked conversation (forces cold
+        prefills); returns bytes freed."""
+        freed = self.admission.drop_parked() if self.admission is not None else 0
         for s in self.slots:
             if not s.busy and not s.in_flight and s.kv.nbytes:
                 freed += s.kv.nbytes

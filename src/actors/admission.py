@@ -6,6 +6,13 @@ growth step; an idle slot that retains KV for prefix reuse holds its actual byte
 and is evicted (least recently used first) when an admission needs them. Every
 slot keeps the model's full context: a request is limited only by the context
 length and the budget, never by context / slots.
+
+Conversations outlive their slot: when a request takes an idle slot that holds
+another conversation, that conversation's KV pages are *parked* (kept in the pool,
+detached from any slot) instead of dropped, and a later turn that continues it is
+placed on a free slot that adopts those pages — so more agents than slots still
+skip re-prefill, as long as the KV budget holds them. Parked KV is evicted first,
+least recently used first, when bytes are needed.
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from slotserve.actors.messages import GenerationRequest
-from slotserve.actors.slot import Slot
-from slotserve.model.kv import GROW_STEP
+from slotserve.actors.slot import Slot, common_prefix
+from slotserve.model.kv import GROW_STEP, SlotKV
 
 MIN_REUSE = 16  # prefix tokens a retained slot must match to be chosen for reuse
 
@@ -55,6 +62,18 @@ class Waiting:
     charge: int
 
 
+@dataclass
+class ParkedKV:
+    """A conversation's resident tokens and their KV pages, held by no slot."""
+
+    ledger: list[int]
+    kv: SlotKV
+    last_used: float
+
+    def prefix_match(self, prompt: list[int]) -> int:
+        return min(common_prefix(self.ledger, prompt), max(len(prompt) - 1, 0))
+
+
 class Admission:
     def __init__(self, slots: list[Slot], *, max_queue: int, kv_budget: int,
                  bytes_per_token: int, context_length: int) -> None:
@@ -65,6 +84,7 @@ class Admission:
         self.context_length = context_length
         self.floor = GROW_STEP * bytes_per_token
         self.queue: deque[Waiting] = deque()
+        self.parked: list[ParkedKV] = []
         self.charged: dict[int, int] = {}  # slot id -> bytes charged while busy
         self.rejections: dict[str, int] = {}
         self._finished_at: deque[float] = deque(maxlen=64)
@@ -80,7 +100,8 @@ class Admission:
         return sum(self.charged.values())
 
     def retained_bytes(self, exclude: Slot | None = None) -> int:
-        return sum(s.kv.nbytes for s in self.slots if not s.busy and s is not exclude)
+        held = sum(s.kv.nbytes for s in self.slots if not s.busy and s is not exclude)
+        return held + sum(p.kv.nbytes for p in self.parked)
 
     @property
     def used_bytes(self) -> int:
@@ -137,35 +158,78 @@ class Admission:
         free = [s for s in self.slots if not s.busy and not s.in_flight]
         if not free:
             return False
-        slot = self._choose(free, req.prompt_ids)
-        if slot.prefix_match(req.prompt_ids) == 0 and slot.kv.nbytes:
-            slot.evict()  # nothing to reuse: start from an empty KV, grown as written
-        charge = max(charge, slot.kv.nbytes)
+        slot, parked, reuse = self._choose(free, req.prompt_ids)
+        if not reuse and slot.kv.nbytes:
+            self._park(slot)  # keep its conversation for a later turn; start this one empty
+        charge = max(charge, slot.kv.nbytes, parked.kv.nbytes if parked else 0)
         if self.busy_bytes + charge > self.kv_budget:
             return False
-        # evict other slots' retained KV, least recently used first, until the charge fits
-        others = sorted((s for s in free if s is not slot and s.kv.nbytes),
-                        key=lambda s: s.last_used)
-        while others and self.busy_bytes + charge + self.retained_bytes(slot) > self.kv_budget:
-            others.pop(0).evict()
+        if parked is not None:
+            self.parked.remove(parked)
+            slot.adopt(parked.ledger, parked.kv)
+        # free retained KV until the charge fits: parked conversations first, then other
+        # idle slots, least recently used first
+        while self.busy_bytes + charge + self.retained_bytes(slot) > self.kv_budget:
+            if not self._evict_one(exclude=slot):
+                break
         self.charged[slot.id] = charge
         place(slot)
         return True
 
-    @staticmethod
-    def _choose(free: list[Slot], prompt: list[int]) -> Slot:
-        """Longest exact prefix match, else an empty slot, else the LRU idle slot.
+    def _park(self, slot: Slot) -> None:
+        ledger, kv = slot.detach()
+        self.parked.append(ParkedKV(ledger, kv, slot.last_used))
 
-        A match shorter than MIN_REUSE tokens (e.g. only the chat template's opening) does
-        not count: taking that slot would throw away a conversation worth keeping.
+    def _evict_one(self, exclude: Slot) -> bool:
+        if self.parked:
+            oldest = min(self.parked, key=lambda p: p.last_used)
+            self.parked.remove(oldest)
+            oldest.kv.release()
+            return True
+        idle = [s for s in self.slots
+                if s is not exclude and not s.busy and not s.in_flight and s.kv.nbytes]
+        if not idle:
+            return False
+        min(idle, key=lambda s: s.last_used).evict()
+        return True
+
+    def drop_parked(self) -> int:
+        """Release every parked conversation's KV; returns the bytes freed."""
+        freed = sum(p.kv.nbytes for p in self.parked)
+        for p in self.parked:
+            p.kv.release()
+        self.parked = []
+        return freed
+
+    def _choose(self, free: list[Slot],
+                prompt: list[int]) -> tuple[Slot, ParkedKV | None, bool]:
+        """(slot, parked conversation it adopts or None, whether the slot's own KV is reused).
+
+        The longest exact prefix match wins, in a free slot or parked (a free slot then
+        adopts it); otherwise an empty slot, else the least recently used one, whose
+        conversation is parked. A match counts only when it is at least MIN_REUSE tokens
+        (not just the chat template's opening) and reusing it throws away no more than it
+        keeps: a new chat that only shares the system prompt must not truncate an agent's
+        long conversation; that conversation is parked instead.
         """
-        best = max(free, key=lambda s: (s.prefix_match(prompt), -s.last_used))
-        if best.prefix_match(prompt) >= MIN_REUSE:
-            return best
-        empty = [s for s in free if not s.ledger]
-        if empty:
-            return empty[0]
-        return min(free, key=lambda s: s.last_used)
+
+        def worth(match: int, resident: int) -> bool:
+            return match >= MIN_REUSE and resident - match <= match
+
+        slot_matches = [(s.prefix_match(prompt), s.last_used, s) for s in free]
+        best_slot = max((m for m in slot_matches if worth(m[0], len(m[2].ledger))),
+                        key=lambda m: (m[0], m[1]), default=None)
+        best_parked = max(
+            ((p.prefix_match(prompt), p.last_used, p) for p in self.parked
+             if worth(p.prefix_match(prompt), len(p.ledger))),
+            key=lambda m: (m[0], m[1]), default=None)
+        empty = [s for s in free if not s.ledger and not s.kv.pages]
+        host = empty[0] if empty else min(free, key=lambda s: s.last_used)
+        if best_parked is not None and (best_slot is None or best_parked[0] > best_slot[0]):
+            return host, best_parked[2], False
+        if best_slot is not None:
+            return best_slot[2], None, True
+        return host, None, False
 
     def retry_after(self) -> int:
         """Seconds until the queue should have room, from the observed finish rate."""

@@ -111,6 +111,18 @@ class Slot(Actor[SlotMessage]):
         self.kv.release()
         self.ledger = []
 
+    def detach(self) -> tuple[list[int], SlotKV]:
+        """Hand over the retained conversation (ledger + its KV pages); keep an empty KV."""
+        assert not self.busy and not self.in_flight
+        ledger, kv = self.ledger, self.kv
+        self.ledger, self.kv = [], SlotKV(kv.pool)
+        return ledger, kv
+
+    def adopt(self, ledger: list[int], kv: SlotKV) -> None:
+        """Take over a parked conversation (this slot's own retained KV must be gone)."""
+        assert not self.busy and not self.in_flight and not self.kv.pages
+        self.ledger, self.kv = ledger, kv
+
     # ---- messages --------------------------------------------------------------------
 
     async def handle(self, msg: SlotMessage) -> None:
