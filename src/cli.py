@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-budget", default=None,
                    help="KV cache budget, bytes or with a unit (e.g. 2GiB, 512MiB)")
     s.add_argument("--prefill-budget", type=int, default=256)
+    s.add_argument("--max-parked", type=int, default=None,
+                   help="conversations kept (parked KV) beyond the slots for their next turn "
+                        "(default: as many as --max-slots; 0 disables)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.set_defaults(fn=cmd_serve)
 

@@ -50,6 +50,7 @@ class EngineConfig:
     max_queue: int = 64
     kv_budget_bytes: int | None = None  # None: 30% of RAM, at most 16 GiB
     prefill_budget: int = 256  # tokens per tick, decode rows included
+    max_parked: int | None = None  # conversations kept beyond the slots; None: max_slots
     default_max_tokens: int | None = None  # None: up to the context length
     shutdown_deadline: float = 30.0
 
@@ -115,6 +116,7 @@ class Engine:
             self.slots, max_queue=cfg.max_queue,
             kv_budget=cfg.kv_budget_bytes or default_kv_budget(),
             bytes_per_token=bpt, context_length=lm.config.max_position,
+            max_parked=cfg.max_slots if cfg.max_parked is None else cfg.max_parked,
         )
         self._stop = anyio.Event()
         started = anyio.Event()

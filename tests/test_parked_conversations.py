@@ -13,7 +13,7 @@ PEOPLE = ["Ada", "Grace", "Linus"]
 
 @pytest.fixture(scope="module")
 def one_slot() -> Any:
-    h = EngineHarness(max_slots=1, max_queue=4)
+    h = EngineHarness(max_slots=1, max_queue=4, max_parked=2)
     yield h
     h.close()
 
@@ -84,3 +84,15 @@ def test_parked_kv_counts_against_the_budget_and_is_evicted_first(
     finally:
         admission.kv_budget = old_budget
         engine.drop_retained()
+
+
+def test_parked_conversations_are_capped(one_slot: EngineHarness) -> None:
+    engine = one_slot.engine
+    admission = engine.admission
+    assert admission is not None and admission.max_parked == 2
+    engine.drop_retained()
+    for name in [*PEOPLE, "Ada"]:  # four first turns through one slot: three pushed out
+        one_slot.call(lambda n=name: engine.chat_complete(_first(n), max_tokens=4,
+                                                          temperature=0))
+    assert len(admission.parked) == 2  # the oldest one was dropped
+    engine.drop_retained()

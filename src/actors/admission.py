@@ -11,8 +11,9 @@ Conversations outlive their slot: when a request takes an idle slot that holds
 another conversation, that conversation's KV pages are *parked* (kept in the pool,
 detached from any slot) instead of dropped, and a later turn that continues it is
 placed on a free slot that adopts those pages — so more agents than slots still
-skip re-prefill, as long as the KV budget holds them. Parked KV is evicted first,
-least recently used first, when bytes are needed.
+skip re-prefill. At most `max_parked` conversations are kept (default: as many as
+slots) and they count against the KV budget; parked KV is evicted first, least
+recently used first, when bytes are needed.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ParkedKV:
 
 class Admission:
     def __init__(self, slots: list[Slot], *, max_queue: int, kv_budget: int,
-                 bytes_per_token: int, context_length: int) -> None:
+                 bytes_per_token: int, context_length: int, max_parked: int = 0) -> None:
         self.slots = slots
         self.max_queue = max_queue
         self.kv_budget = kv_budget
@@ -85,6 +86,7 @@ class Admission:
         self.floor = GROW_STEP * bytes_per_token
         self.queue: deque[Waiting] = deque()
         self.parked: list[ParkedKV] = []
+        self.max_parked = max_parked  # parked conversations kept at most (LRU beyond)
         self.charged: dict[int, int] = {}  # slot id -> bytes charged while busy
         self.rejections: dict[str, int] = {}
         self._finished_at: deque[float] = deque(maxlen=64)
@@ -159,13 +161,16 @@ class Admission:
         if not free:
             return False
         slot, parked, reuse = self._choose(free, req.prompt_ids)
+        if parked is not None:
+            self.parked.remove(parked)  # before parking the host: the cap must not drop it
         if not reuse and slot.kv.nbytes:
             self._park(slot)  # keep its conversation for a later turn; start this one empty
         charge = max(charge, slot.kv.nbytes, parked.kv.nbytes if parked else 0)
         if self.busy_bytes + charge > self.kv_budget:
+            if parked is not None:
+                self.parked.append(parked)
             return False
         if parked is not None:
-            self.parked.remove(parked)
             slot.adopt(parked.ledger, parked.kv)
         # free retained KV until the charge fits: parked conversations first, then other
         # idle slots, least recently used first
@@ -177,8 +182,15 @@ class Admission:
         return True
 
     def _park(self, slot: Slot) -> None:
+        if self.max_parked <= 0:
+            slot.evict()
+            return
         ledger, kv = slot.detach()
         self.parked.append(ParkedKV(ledger, kv, slot.last_used))
+        while len(self.parked) > self.max_parked:
+            oldest = min(self.parked, key=lambda p: p.last_used)
+            self.parked.remove(oldest)
+            oldest.kv.release()
 
     def _evict_one(self, exclude: Slot) -> bool:
         if self.parked:

@@ -126,7 +126,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = EngineConfig(model=args.model, device=getattr(args, "device", "auto"),
                        max_slots=args.max_slots, max_queue=args.max_queue,
                        kv_budget_bytes=parse_bytes(getattr(args, "kv_budget", None)),
-                       prefill_budget=getattr(args, "prefill_budget", 256))
+                       prefill_budget=getattr(args, "prefill_budget", 256),
+                       max_parked=getattr(args, "max_parked", None))
     sys.stdout.write(startup_banner(args.host, args.port, args.api_key,
                                     model_id_for(args.model)) + "\n")
     sys.stdout.flush()
