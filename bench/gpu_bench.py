@@ -49,18 +49,8 @@ def memory_bandwidth(nbytes: int = 2**31, reps: int = 10) -> dict[str, float]:
 
     a = mx.random.uniform(shape=(nbytes // 2,)).astype(mx.bfloat16)
     mx.eval(a)
-
-    def timed(fn: Any) -> float:
-        mx.eval(fn())
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            mx.eval(fn())
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    copy_s = timed(lambda: a + 1)
-    read_s = timed(lambda: a.max())
+    copy_s = _timed(lambda: a + 1, reps)
+    read_s = _timed(lambda: a.max(), reps)
     return {"copy_gbps_read_plus_write": round(2 * nbytes / copy_s / GB, 1),
             "read_gbps": round(nbytes / read_s / GB, 1), "buffer_gb": round(nbytes / GB, 2)}
 

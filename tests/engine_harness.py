@@ -11,6 +11,18 @@ from slotserve.engine import Engine
 
 T = TypeVar("T")
 
+# distinct prompts of very different lengths, shared by the engine tests on tiny models
+PROMPTS = [
+    "Count from one to twenty, please, slowly and carefully.",
+    "Hello there",
+    "Write a long sentence about rivers, mountains, oceans and skies.",
+    "x",
+    "The quick brown fox jumps over the lazy dog again and again.",
+    "What is the answer?",
+    "List the planets of the solar system in order from the sun outwards.",
+    "Why?",
+]
+
 
 class EngineHarness:
     def __init__(self, model: Any = None, **config: Any) -> None:

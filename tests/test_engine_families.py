@@ -11,17 +11,11 @@ from typing import Any
 
 import anyio
 import pytest
+from engine_harness import PROMPTS as ALL_PROMPTS
 from engine_harness import EngineHarness
 from tiny_models import make_tiny
 
-PROMPTS = [
-    "Count from one to twenty, please, slowly and carefully.",
-    "Hello there",
-    "Write a long sentence about rivers, mountains, oceans and skies.",
-    "x",
-    "The quick brown fox jumps over the lazy dog again and again.",
-    "What is the answer?",
-]
+PROMPTS = ALL_PROMPTS[:6]
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "gemma3"])

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
-from engine_harness import EngineHarness
+from engine_harness import PROMPTS, EngineHarness
 
 from slotserve.synth import synth
 
@@ -22,16 +22,6 @@ pytestmark = [
     pytest.mark.skipif(not mx.is_available(mx.gpu), reason="needs MLX with a GPU"),
 ]
 
-PROMPTS = [
-    "Count from one to twenty, please, slowly and carefully.",
-    "Hello there",
-    "Write a long sentence about rivers, mountains, oceans and skies.",
-    "x",
-    "The quick brown fox jumps over the lazy dog again and again.",
-    "What is the answer?",
-    "List the planets of the solar system in order from the sun outwards.",
-    "Why?",
-]
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-moe"])
