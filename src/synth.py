@@ -175,6 +175,11 @@ def _copy_tokenizer(outdir: Path, tokenizer_dir: str | Path | None) -> int:
         from tokenizers import Tokenizer as HFTokenizer
 
         return HFTokenizer.from_file(str(outdir / "tokenizer.json")).get_vocab_size(True)
+    return write_smollm2_tokenizer(outdir)
+
+
+def write_smollm2_tokenizer(outdir: Path) -> int:
+    """The bundled SmolLM2's tokenizer and chat template as HF files; returns its vocab size."""
     from slotserve.model.loader import default_model_path
     from slotserve.model.tokenizer import Tokenizer
 

@@ -24,6 +24,13 @@ PROMPTS = [
 ]
 
 
+def alternating_options(i: int) -> dict[str, Any]:
+    """Request i's options: seeded sampling for odd i, greedy for even i; 24 tokens, no EOS."""
+    if i % 2:
+        return {"temperature": 0.8, "seed": i, "max_tokens": 24, "ignore_eos": True}
+    return {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+
+
 class EngineHarness:
     def __init__(self, model: Any = None, **config: Any) -> None:
         self.loop = asyncio.new_event_loop()

@@ -13,6 +13,7 @@ import anyio
 import pytest
 from engine_harness import PROMPTS as ALL_PROMPTS
 from engine_harness import EngineHarness
+from engine_harness import alternating_options as options
 from tiny_models import make_tiny
 
 PROMPTS = ALL_PROMPTS[:6]
@@ -24,12 +25,6 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     h = EngineHarness(path, max_slots=4, max_queue=16, prefill_budget=24)
     yield h
     h.close()
-
-
-def options(i: int) -> dict[str, Any]:
-    if i % 2:
-        return {"temperature": 0.8, "seed": i, "max_tokens": 24, "ignore_eos": True}
-    return {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
 
 
 def test_batch_and_prefix_invariance(harness: EngineHarness) -> None:

@@ -14,6 +14,7 @@ import anyio
 import mlx.core as mx
 import pytest
 from engine_harness import PROMPTS, EngineHarness
+from engine_harness import alternating_options as options
 
 from slotserve.synth import synth
 
@@ -31,12 +32,6 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     h = EngineHarness(path, device="gpu", max_slots=8, max_queue=32, prefill_budget=48)
     yield h
     h.close()
-
-
-def options(i: int) -> dict[str, Any]:
-    if i % 2:
-        return {"temperature": 0.8, "seed": i, "max_tokens": 24, "ignore_eos": True}
-    return {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
 
 
 def ids(h: EngineHarness, i: int) -> list[int]:

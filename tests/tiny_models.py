@@ -6,23 +6,9 @@ use its vocabulary size; everything else is a few layers of width 64.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import mlx.core as mx
-
-from slotserve.model.loader import default_model_path
-from slotserve.model.tokenizer import Tokenizer
-
-
-def _write_tokenizer(path: Path) -> int:
-    _, meta = mx.load(str(default_model_path()), return_metadata=True)
-    tok = Tokenizer.from_gguf_metadata(meta, "smollm2")
-    (path / "tokenizer.json").write_text(tok.to_hf_tokenizer_json())
-    cfg = {"chat_template": tok.chat_template, "bos_token": "<|im_start|>",
-           "eos_token": "<|im_end|>", "add_bos_token": False}
-    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return tok.vocab_size
+from slotserve.synth import write_smollm2_tokenizer
 
 
 def make_tiny(family: str, path: Path, seed: int = 0) -> Path:
@@ -30,7 +16,7 @@ def make_tiny(family: str, path: Path, seed: int = 0) -> Path:
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab = _write_tokenizer(path)
+    vocab = write_smollm2_tokenizer(path)
     common = dict(vocab_size=vocab, hidden_size=64, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, tie_word_embeddings=True)
