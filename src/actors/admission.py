@@ -231,10 +231,9 @@ class Admission:
         slot_matches = [(s.prefix_match(prompt), s.last_used, s) for s in free]
         best_slot = max((m for m in slot_matches if worth(m[0], len(m[2].ledger))),
                         key=lambda m: (m[0], m[1]), default=None)
-        best_parked = max(
-            ((p.prefix_match(prompt), p.last_used, p) for p in self.parked
-             if worth(p.prefix_match(prompt), len(p.ledger))),
-            key=lambda m: (m[0], m[1]), default=None)
+        parked_matches = [(p.prefix_match(prompt), p.last_used, p) for p in self.parked]
+        best_parked = max((m for m in parked_matches if worth(m[0], len(m[2].ledger))),
+                          key=lambda m: (m[0], m[1]), default=None)
         empty = [s for s in free if not s.ledger and not s.kv.pages]
         host = empty[0] if empty else min(free, key=lambda s: s.last_used)
         if best_parked is not None and (best_slot is None or best_parked[0] > best_slot[0]):

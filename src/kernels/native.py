@@ -81,6 +81,8 @@ def build() -> Path:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (disabled, or they could not be built: logged once)."""
     global _lib, _tried
+    if _tried:  # the hot path: every Linear and attention call asks
+        return _lib
     with _lock:
         if _tried:
             return _lib
