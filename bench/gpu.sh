@@ -46,7 +46,7 @@ if want env; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $PY -c 'import sys, mlx.core as mx; print(sys.version.split()[0], "mlx", mx.__version__,
 mx.default_device(), "gpu:", mx.is_available(mx.gpu))'
-  sha256sum src/kernels/attention.py src/model/layers.py src/model/kv.py \
+  sha256sum src/kernels/attention.py src/kernels/cuda.py src/model/layers.py src/model/kv.py \
     src/runtime/runner.py src/model/families/*.py src/synth.py | cut -c1-16,65-
   timeout 60 $PY - <<'EOF'
 import time
@@ -93,9 +93,9 @@ if want bench; then
 fi
 
 if want tests; then
-  stage "pytest -m gpu tests/test_gpu.py tests/test_attention.py"
+  stage "pytest -m gpu tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py"
   timeout "${TESTS_TIMEOUT:-400}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA \
-    tests/test_gpu.py tests/test_attention.py 2>&1 \
+    tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 fi
 

@@ -32,6 +32,7 @@ import anyio
 import slotserve  # noqa: F401  (OpenBLAS before MLX on Linux; harmless elsewhere)
 from slotserve.bench import prompt_ids, run_streams
 from slotserve.engine import Engine
+from slotserve.kernels import cuda
 
 GB = 1e9
 
@@ -186,6 +187,7 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
     w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(mx.bfloat16)
     q, s, b = mx.quantize(w, group_size=64, bits=4)
     qbytes = q.nbytes + s.nbytes + b.nbytes
+    sb = cuda.q4_pack_scales(s, b) if cuda.enabled() else None
     out = []
     for m in rows:
         x = mx.random.normal((m, n_in)).astype(mx.bfloat16)
@@ -195,14 +197,19 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
         r = {"shape": [m, n_in, n_out], "q4_us": round(tq * 1e6, 1),
              "q4_gbps": round(qbytes / tq / GB, 1), "bf16_us": round(tb * 1e6, 1),
              "bf16_gbps": round(w.nbytes / tb / GB, 1)}
+        if cuda.enabled():  # slotserve's own 4-bit kernel on the same weights
+            tk = _timed(lambda x=x: cuda.q4_matmul(x, q, sb))
+            r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1))
         out.append(r)
         emit({"micro_matmul": r})
     return out
 
 
 def micro_matmul(rows: tuple[int, ...] = (1, 8, 64, 128)) -> list[dict[str, Any]]:
-    """4-bit (group 64) vs bf16 matmuls of Llama-3-8B's two big shapes at several row counts."""
-    return [r for n_out, n_in in ((28672, 4096), (4096, 14336))
+    """4-bit (group 64; MLX's kernel and slotserve's) vs bf16 matmuls of Llama-3-8B's
+    shapes (QKV, O, gate+up, down, lm_head) at several row counts."""
+    return [r for n_out, n_in in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                  (128256, 4096))
             for r in _matmul_case(n_out, n_in, rows)]
 
 
@@ -228,6 +235,13 @@ def _attention_case(n: int, span: int, kv_heads: int, head_dim: int,
             r[f"{method}_us"] = round(t * 1e6)
         except Exception as exc:  # report a method MLX cannot run here, measure the other
             r[f"{method}_error"] = str(exc)[:200]
+    if cuda.enabled():  # slotserve's paged-attention kernel: the same rows and blocks
+        pos = mx.array([span - 1 - i % 7 for i in range(n)], dtype=mx.int32)
+        row_table = mx.arange(n, dtype=mx.int32)
+        pool_k, pool_v = keys.reshape(-1, head_dim), values.reshape(-1, head_dim)
+        t = _timed(lambda: cuda.paged_attention(q, pool_k, pool_v, blocks, row_table, pos,
+                                                head_dim**-0.5))
+        r["cuda_kernel_us"] = round(t * 1e6)
     emit({"micro_attention": r})
     return r
 

@@ -104,25 +104,9 @@ def supported(head_dim: int) -> bool:
 
 def invariant(lib: ctypes.CDLL, group: int, kv_heads: int, head_dim: int) -> bool:
     """Probe: a row's output is the same alone, among other slots' rows, and in a prefill chunk."""
-    pages, slots, block = 3, 6, 128
-    cap = pages * block
-    n_blocks = slots * pages * kv_heads
-    keys = mx.random.normal((n_blocks * block, head_dim), key=mx.random.key(11))
-    values = mx.random.normal((n_blocks * block, head_dim), key=mx.random.key(12))
-    q = mx.random.normal((cap, group * kv_heads, head_dim), key=mx.random.key(13))
-    page_ids = np.arange(slots * pages, dtype=np.int32).reshape(slots, pages)[::-1]
-    tables = (page_ids[:, :, None] * kv_heads + np.arange(kv_heads, dtype=np.int32)).copy()
+    from slotserve.kernels.invariance import row_table_kernel_invariant
 
-    def run(qrows: mx.array, table: list[int], pos: list[int]) -> np.ndarray:
-        rows = RowTables(tables, np.array(table, np.int32), np.array(pos, np.int32))
-        return np.asarray(attend(lib, qrows, keys, values, rows, head_dim**-0.5, None))
+    def run(q: mx.array, keys: mx.array, values: mx.array, rows: RowTables) -> np.ndarray:
+        return np.asarray(attend(lib, q, keys, values, rows, head_dim**-0.5, None))
 
-    for pos in (0, 5, block - 1, block + 3, cap - 1):
-        one = run(q[pos : pos + 1], [2], [pos])[0]
-        mixed = run(mx.concatenate([q[:5], q[pos : pos + 1]]), [0, 1, 3, 4, 5, 2],
-                    [7, 300, 0, 128, 99, pos])[5]
-        start = max(0, pos - 7)
-        chunk = run(q[start : pos + 1], [2] * (pos + 1 - start), list(range(start, pos + 1)))[-1]
-        if not (np.array_equal(one, mixed) and np.array_equal(one, chunk)):
-            return False
-    return True
+    return row_table_kernel_invariant(run, group, kv_heads, head_dim, mx.float32)

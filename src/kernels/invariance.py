@@ -11,13 +11,15 @@ pads every row batch to that floor. It takes well under a second on small models
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import structlog
 
-from slotserve.kernels import attention, cpu_attention, native
+from slotserve.kernels import attention, cpu_attention, cuda, native
 from slotserve.kernels.attention import (
     AttentionPlan,
     decode_attention,
@@ -89,6 +91,37 @@ def attention_invariant(group: int, kv_heads: int, head_dim: int, dtype: mx.Dtyp
     return True
 
 
+RowTableAttention = Callable[[mx.array, mx.array, mx.array, cpu_attention.RowTables], np.ndarray]
+
+
+def row_table_kernel_invariant(run: RowTableAttention, group: int, kv_heads: int,
+                               head_dim: int, dtype: mx.Dtype) -> bool:
+    """A row-table attention kernel (CPU native or CUDA) gives a row the same output alone,
+    among other slots' rows, and inside a prefill chunk. run(q, keys, values, rows)."""
+    pages, slots, block = 3, 6, attention.BLOCK
+    cap = pages * block
+    n_blocks = slots * pages * kv_heads
+    keys = mx.random.normal((n_blocks * block, head_dim), key=mx.random.key(11)).astype(dtype)
+    values = mx.random.normal((n_blocks * block, head_dim), key=mx.random.key(12)).astype(dtype)
+    q = mx.random.normal((cap, group * kv_heads, head_dim), key=mx.random.key(13)).astype(dtype)
+    page_ids = np.arange(slots * pages, dtype=np.int32).reshape(slots, pages)[::-1]
+    tables = (page_ids[:, :, None] * kv_heads + np.arange(kv_heads, dtype=np.int32)).copy()
+
+    def rows(table: list[int], pos: list[int]) -> cpu_attention.RowTables:
+        return cpu_attention.RowTables(tables, np.array(table, np.int32), np.array(pos, np.int32))
+
+    for pos in (0, 5, block - 1, block + 3, cap - 1):
+        one = run(q[pos : pos + 1], keys, values, rows([2], [pos]))[0]
+        mixed = run(mx.concatenate([q[:5], q[pos : pos + 1]]), keys, values,
+                    rows([0, 1, 3, 4, 5, 2], [7, 300, 0, 128, 99, pos]))[5]
+        start = max(0, pos - 7)
+        chunk = run(q[start : pos + 1], keys, values,
+                    rows([2] * (pos + 1 - start), list(range(start, pos + 1))))[-1]
+        if not (np.array_equal(one, mixed) and np.array_equal(one, chunk)):
+            return False
+    return True
+
+
 def probe_model(model: Any, max_rows: int) -> ProbeReport:
     """Measure floors for every distinct linear shape of `model`; set them globally."""
     from slotserve.model import layers
@@ -112,6 +145,8 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
     if layers.native_attention_for(model.dtype, cfg.head_dim):
         assert lib is not None
         attention_ok = cpu_attention.invariant(lib, group, cfg.num_kv_heads, cfg.head_dim)
+    elif cuda.enabled() and cuda.attention_supported(model.dtype, cfg.head_dim):
+        attention_ok = cuda.attention_invariant(group, cfg.num_kv_heads, cfg.head_dim)
     else:
         attention_ok = attention_invariant(group, cfg.num_kv_heads, cfg.head_dim, model.dtype)
     if not attention_ok:

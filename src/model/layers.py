@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels import cpu_attention, cpu_gemm, native
+from slotserve.kernels import cpu_attention, cpu_gemm, cuda, native
 from slotserve.kernels.attention import (
     BLOCK,
     AttentionPlan,
@@ -77,6 +77,7 @@ class Batch:
     prefill: list[tuple[Segment, mx.array]] = field(default_factory=list)  # (seg, blocks)
     order: mx.array | None = None  # puts attention outputs back in row order
     native: RowTables | None = None  # set when the CPU attention kernel runs this step
+    cuda: tuple[mx.array, mx.array, mx.array] | None = None  # GPU kernel: RowTables on device
 
     @staticmethod
     def build(parts: list[tuple[SlotKV, int, int]]) -> Batch:
@@ -101,6 +102,9 @@ class Batch:
                                                            batch.pool.head_dim):
             batch.native = batch._row_tables()
             batch.native.write_rows = write_rows
+        elif batch.pool is not None and cuda_attention_for(batch.pool):
+            t = batch._row_tables()
+            batch.cuda = (mx.array(t.tables), mx.array(t.row_table), mx.array(t.row_pos))
         else:
             batch._group()
         return batch
@@ -163,13 +167,15 @@ class Linear:
     CPU: dense W in the narrowest float type that holds its values exactly (dequantized
     GGUF weights are exact in float16) through slotserve's own kernel
     (slotserve.kernels.cpu_gemm), or in float32 through MLX/OpenBLAS when that kernel
-    is unavailable. GPU: quantized tensors stay quantized.
+    is unavailable. GPU: quantized tensors stay quantized; 4-bit ones run through
+    slotserve's batch-invariant CUDA kernel (slotserve.kernels.cuda) when it applies.
     """
 
     def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool) -> None:
         self.q: QuantizedWeight | None = None
         self.w: mx.array | None = None
         self.kernel: cpu_gemm.Matrix | None = None
+        self.q4_scales: mx.array | None = None  # [K/64, N, 2] for cuda.q4_matmul
         lib = native.library() if _use_cpu_kernel(compute_dtype, keep_quantized) else None
         if isinstance(weight, QuantizedWeight):
             if keep_quantized:
@@ -180,6 +186,11 @@ class Linear:
             self.w = weight if lib and weight.dtype in _EXACT else weight.astype(compute_dtype)
         if lib is not None and self.w is not None:
             self.kernel = cpu_gemm.Matrix(self.w, lib)
+        q = self.q
+        if (q is not None and compute_dtype == mx.bfloat16 and cuda.enabled()
+                and cuda.q4_supported(q.shape[1], q.shape[0], q.bits, q.group_size)):
+            self.q4_scales = cuda.q4_pack_scales(q.scales, q.biases)
+            mx.eval(self.q4_scales)
 
     @staticmethod
     def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool) -> Linear:
@@ -210,6 +221,9 @@ class Linear:
     def __call__(self, x: mx.array) -> mx.array:
         if self.kernel is not None:
             return self.kernel(x)
+        if self.q4_scales is not None:
+            assert self.q is not None
+            return cuda.q4_matmul(x, self.q.weight, self.q4_scales)
         if self.q is not None:
             q = self.q
             return mx.quantized_matmul(
@@ -328,6 +342,9 @@ def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scal
     n = batch.rows
     pool.keys[layer][batch.write_rows] = k[:n] if k.shape[0] > n else k
     pool.values[layer][batch.write_rows] = v[:n] if v.shape[0] > n else v
+    if batch.cuda is not None:
+        return cuda.paged_attention(q, pool.keys[layer], pool.values[layer], *batch.cuda,
+                                    scale, window)
     if batch.native is not None:
         lib = native.library()
         assert lib is not None
@@ -353,6 +370,11 @@ def native_attention_for(dtype: mx.Dtype, head_dim: int) -> bool:
     """The CPU attention kernel runs steps of this model (CPU, float32 KV, supported shape)."""
     return (dtype == mx.float32 and mx.default_device() == mx.cpu
             and cpu_attention.supported(head_dim) and native.library() is not None)
+
+
+def cuda_attention_for(pool: KVPool) -> bool:
+    """The CUDA attention kernel runs steps of this model (GPU, bf16 KV, supported shape)."""
+    return cuda.enabled() and cuda.attention_supported(pool.dtype, pool.head_dim)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:

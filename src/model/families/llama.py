@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from slotserve.kernels import cpu_attention, cpu_gemm, native
+from slotserve.kernels import cpu_attention, cpu_gemm, cuda, native
 from slotserve.model.config import ModelConfig
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.layers import Batch, Embedding, Linear, Rope, attend, pad_rows, rms_norm
@@ -12,8 +12,9 @@ from slotserve.model.weights import Tensor
 
 
 class Attention:
-    # Runs as one native block on the CPU (QKV, RoPE, K/V write, attention) when it can;
-    # subclasses that change q/k between projection and RoPE (Qwen3's norms) opt out.
+    # Runs as one native block on the CPU (QKV, RoPE, K/V write, attention) when it can,
+    # and splits + rotates q/k in one CUDA kernel on the GPU; subclasses that change q/k
+    # between projection and RoPE (Qwen3's norms) opt out.
     native_block = True
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
@@ -48,8 +49,12 @@ class Attention:
                 rope.host_tables(), pool.keys[layer], pool.values[layer], batch.native,
                 self.scale)
             return mx.array(self.o.kernel.host(out))
-        q, k, v = self.split_heads(x)
-        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        if self.native_block and batch.cuda is not None and rope is not None:
+            q, k, v = cuda.rope_split(self.qkv(x), rope.cos, rope.sin, batch.positions,
+                                      self.heads, self.kv_heads, self.head_dim)
+        else:
+            q, k, v = self.split_heads(x)
+            q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
         return self.o(out.reshape(out.shape[0], -1))
 
@@ -66,6 +71,8 @@ class MLP:
         if lib is not None and self.gate_up.kernel is not None and self.down.kernel is not None:
             return cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x)
         gu = self.gate_up(x)
+        if cuda.enabled():
+            return self.down(cuda.swiglu(gu))
         g, u = gu[:, : self.inter], gu[:, self.inter :]
         return self.down(g * mx.sigmoid(g) * u)
 

@@ -1,0 +1,468 @@
+"""slotserve's own CUDA kernels (through `mx.fast.cuda_kernel`), batch-invariant by construction.
+
+MLX 0.32's CUDA 4-bit matmul reads weights at 90-530 GB/s of the H200's ~3 TB/s at
+decode row counts and changes kernels at 8 rows, and its attention for a paged pool
+is ~15 small kernels per layer. These replace both on the GPU:
+
+* `q4_matmul`: y = x W^T for MLX affine 4-bit weights (group 64), bf16 activations.
+  Tensor cores (mma.sync m16n8k16) multiply x by the raw 4-bit codes, exact in bf16;
+  each 64-wide group's result is scaled in float32 (y += s * (x . q) + b * sum(x)).
+  Row tiles of 16, K split over a fixed number of warps chosen from K alone, partials
+  summed in warp order: every output element is computed the same way whatever the
+  row count, so one row alone and the same row in a batch of 128 give the same bits.
+* `paged_attention`: one thread block per (row, kv head) attends its GQA group of
+  query heads over the row's own slot, reading K/V blocks in place through the
+  slot's block table (the pool layout of slotserve.model.kv), online softmax in
+  key blocks of 128 at fixed absolute positions. Decode rows and prefill rows are
+  the same work, so a position's output never depends on how it was batched.
+* `rope_split` and `swiglu`: the elementwise glue around them in one launch each,
+  so a layer's graph stays short (graph building is host time on every step).
+
+The tests compare each against a plain MLX reference and check invariance on the
+GPU (tests/test_cuda_kernels.py, marked gpu).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+GROUP = 64  # quantization group size the matmul kernel handles
+BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
+
+_HEADER = r"""
+#include <cuda_bf16.h>
+
+// two 4-bit codes (bits shift..shift+7 of w) as two exact bf16 values
+__device__ __forceinline__ uint32_t q4_pair(uint32_t w, int shift) {
+  uint32_t v = w >> shift;
+  uint32_t r = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x43004300u;  // 128 + q in bf16
+  __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&r);
+  h = __hsub2(h, __floats2bfloat162_rn(128.0f, 128.0f));
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
+
+// sum of the 16 bf16 values in two uint4, in a fixed order
+__device__ __forceinline__ float sum16(uint4 a, uint4 b) {
+  uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s = (s + bf_lo(w[i])) + bf_hi(w[i]);
+  return s;
+}
+"""
+
+# Weights w [N, K/8] uint32 (MLX packing: 8 codes per word, low nibble first), sb
+# [K/64, N, 2] bf16 (scale, bias per group and column), x [M, K] bf16 -> y [M, N].
+# Thread (g = lane/4, t = lane%4) of an mma takes k = 16t..16t+15 of each 64-wide
+# group: for step s, mma k-slots (2t, 2t+1) hold k 16t+4s+{0,1} and slots
+# (2t+8, 2t+9) hold 16t+4s+{2,3}, for x and w alike, so both fragments come from
+# contiguous memory (a fixed permutation of k inside the group, the same for all rows).
+_Q4_SOURCE = r"""
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int N = w_shape[0];
+  const int groups = K / 64;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_base = blockIdx.x * 16;
+  const int m_base = blockIdx.y * 16 * MT;
+  const int per_warp = groups / KSPLIT;
+  const int gi0 = warp * per_warp;
+  const int mt_live = min(MT, (M - m_base + 15) / 16);
+
+  float acc[MT][2][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mt][nt][c] = 0.0f;
+
+  const uint32_t* wrow0 = w + (size_t)(n_base + g) * (K / 8) + 2 * t;
+  const uint32_t* wrow1 = w + (size_t)(n_base + 8 + g) * (K / 8) + 2 * t;
+  const uint32_t* sbw = reinterpret_cast<const uint32_t*>(sb);
+
+#pragma unroll 2
+  for (int gi = gi0; gi < gi0 + per_warp; ++gi) {
+    const uint2 wq0 = *reinterpret_cast<const uint2*>(wrow0 + gi * 8);
+    const uint2 wq1 = *reinterpret_cast<const uint2*>(wrow1 + gi * 8);
+    // (scale, bias) of columns n_base + nt*8 + 2t and +1: two bf16 pairs each
+    const uint2 sb0 = *reinterpret_cast<const uint2*>(sbw + (size_t)gi * N + n_base + 2 * t);
+    const uint2 sb1 = *reinterpret_cast<const uint2*>(sbw + (size_t)gi * N + n_base + 8 + 2 * t);
+    uint32_t bq[2][8];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int sh = 16 * (s & 1);
+      const uint32_t w0 = s < 2 ? wq0.x : wq0.y;
+      const uint32_t w1 = s < 2 ? wq1.x : wq1.y;
+      bq[0][2 * s] = q4_pair(w0, sh);
+      bq[0][2 * s + 1] = q4_pair(w0, sh + 8);
+      bq[1][2 * s] = q4_pair(w1, sh);
+      bq[1][2 * s + 1] = q4_pair(w1, sh + 8);
+    }
+    const float s00 = bf_lo(sb0.x), b00 = bf_hi(sb0.x), s01 = bf_lo(sb0.y), b01 = bf_hi(sb0.y);
+    const float s10 = bf_lo(sb1.x), b10 = bf_hi(sb1.x), s11 = bf_lo(sb1.y), b11 = bf_hi(sb1.y);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (mt >= mt_live) break;
+      const int r0 = m_base + mt * 16 + g, r1 = r0 + 8;
+      uint4 xa0 = make_uint4(0, 0, 0, 0), xa1 = xa0, xb0 = xa0, xb1 = xa0;
+      if (r0 < M) {
+        const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r0 * K + gi * 64 + 16 * t);
+        xa0 = p[0];
+        xa1 = p[1];
+      }
+      if (r1 < M) {
+        const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r1 * K + gi * 64 + 16 * t);
+        xb0 = p[0];
+        xb1 = p[1];
+      }
+      const uint32_t A0[8] = {xa0.x, xa0.y, xa0.z, xa0.w, xa1.x, xa1.y, xa1.z, xa1.w};
+      const uint32_t A1[8] = {xb0.x, xb0.y, xb0.z, xb0.w, xb1.x, xb1.y, xb1.z, xb1.w};
+      float tmp[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        mma_bf16(tmp[0], A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1],
+                 bq[0][2 * s], bq[0][2 * s + 1]);
+        mma_bf16(tmp[1], A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1],
+                 bq[1][2 * s], bq[1][2 * s + 1]);
+      }
+      // sum of x over the group for rows r0 and r1: this thread's 16, then its quad
+      float xs0 = sum16(xa0, xa1), xs1 = sum16(xb0, xb1);
+      xs0 += __shfl_xor_sync(0xffffffffu, xs0, 1);
+      xs0 += __shfl_xor_sync(0xffffffffu, xs0, 2);
+      xs1 += __shfl_xor_sync(0xffffffffu, xs1, 1);
+      xs1 += __shfl_xor_sync(0xffffffffu, xs1, 2);
+      float* a0 = acc[mt][0];
+      float* a1 = acc[mt][1];
+      a0[0] = __fmaf_rn(s00, tmp[0][0], __fmaf_rn(b00, xs0, a0[0]));
+      a0[1] = __fmaf_rn(s01, tmp[0][1], __fmaf_rn(b01, xs0, a0[1]));
+      a0[2] = __fmaf_rn(s00, tmp[0][2], __fmaf_rn(b00, xs1, a0[2]));
+      a0[3] = __fmaf_rn(s01, tmp[0][3], __fmaf_rn(b01, xs1, a0[3]));
+      a1[0] = __fmaf_rn(s10, tmp[1][0], __fmaf_rn(b10, xs0, a1[0]));
+      a1[1] = __fmaf_rn(s11, tmp[1][1], __fmaf_rn(b11, xs0, a1[1]));
+      a1[2] = __fmaf_rn(s10, tmp[1][2], __fmaf_rn(b10, xs1, a1[2]));
+      a1[3] = __fmaf_rn(s11, tmp[1][3], __fmaf_rn(b11, xs1, a1[3]));
+    }
+  }
+
+  // the K-split partials, summed in warp order, one row tile at a time
+  __shared__ float red[KSPLIT][8][32];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    if (mt >= mt_live) break;  // uniform across the block
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[mt][nt][c];
+    __syncthreads();
+    for (int e = threadIdx.x; e < 8 * 32; e += 32 * KSPLIT) {
+      const int idx = e >> 5, ln = e & 31;
+      float v = red[0][idx][ln];
+#pragma unroll
+      for (int k = 1; k < KSPLIT; ++k) v += red[k][idx][ln];
+      const int nt = idx >> 2, c = idx & 3;
+      const int row = m_base + mt * 16 + (ln >> 2) + (c >= 2 ? 8 : 0);
+      const int col = n_base + nt * 8 + 2 * (ln & 3) + (c & 1);
+      if (row < M) y[(size_t)row * N + col] = __float2bfloat16(v);
+    }
+    __syncthreads();
+  }
+"""
+
+# One block (128 threads) per (row, kv head); q [R, Hq*D], pools [blocks*128, D],
+# tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e].
+_ATTENTION_SOURCE = r"""
+  const int HKV = tables_shape[2];
+  const int nbmax = tables_shape[1];
+  const int HQ = HKV * G;
+  const int r = blockIdx.x / HKV, h = blockIdx.x % HKV;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  __shared__ float qs[G][D];
+  __shared__ float ps[G][128];
+  __shared__ float part[G][4];
+  const size_t base = ((size_t)r * HQ + (size_t)h * G) * D;
+  const int tb = row_table[r];
+  if (tb < 0) {
+    for (int i = tid; i < G * D; i += 128) out[base + i] = __float2bfloat16(0.0f);
+    return;
+  }
+  const float scale = params[0];
+  for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = static_cast<float>(q[base + i]);
+  __syncthreads();
+  const int pos = row_pos[r];
+  const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
+  float run_max[G], run_sum[G], acc[G];
+#pragma unroll
+  for (int gg = 0; gg < G; ++gg) { run_max[gg] = -inf; run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
+  const int* table = tables + (size_t)tb * nbmax * HKV;
+  for (int jb = lo / 128; jb <= pos / 128; ++jb) {
+    const size_t blk = (size_t)table[jb * HKV + h] * 128;
+    const int key = jb * 128 + tid;
+    const bool valid = key >= lo && key <= pos;
+    float s[G];
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) s[gg] = 0.0f;
+    if (valid) {
+      const uint4* krow = reinterpret_cast<const uint4*>(kpool + (blk + tid) * D);
+#pragma unroll 4
+      for (int c = 0; c < D / 8; ++c) {
+        const uint4 kv = krow[c];
+        const uint32_t kw[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float k0 = bf_lo(kw[e]), k1 = bf_hi(kw[e]);
+#pragma unroll
+          for (int gg = 0; gg < G; ++gg) {
+            s[gg] = __fmaf_rn(qs[gg][c * 8 + 2 * e], k0, s[gg]);
+            s[gg] = __fmaf_rn(qs[gg][c * 8 + 2 * e + 1], k1, s[gg]);
+          }
+        }
+      }
+    }
+    // block max and the new running max, per query head
+    float m_new[G], alpha[G];
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      s[gg] = valid ? s[gg] * scale : -inf;
+      float m = s[gg];
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      if (lane == 0) part[gg][warp] = m;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      const float m = fmaxf(fmaxf(part[gg][0], part[gg][1]), fmaxf(part[gg][2], part[gg][3]));
+      m_new[gg] = fmaxf(run_max[gg], m);
+      alpha[gg] = run_max[gg] == -inf ? 0.0f : exp2f(run_max[gg] - m_new[gg]);
+      const float p = valid ? exp2f(s[gg] - m_new[gg]) : 0.0f;
+      ps[gg][tid] = p;
+    }
+    __syncthreads();
+    // block sum of p (fixed tree), then the running sum
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      float p = ps[gg][tid];
+      for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+      if (lane == 0) part[gg][warp] = p;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg) {
+      const float bsum = (part[gg][0] + part[gg][1]) + (part[gg][2] + part[gg][3]);
+      run_sum[gg] = __fmaf_rn(run_sum[gg], alpha[gg], bsum);
+      run_max[gg] = m_new[gg];
+    }
+    // P.V: thread d owns output dimension d of every query head of the group
+    if (tid < D) {
+      const int n = min(128, pos + 1 - jb * 128);
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg) acc[gg] *= alpha[gg];
+      const T* vcol = vpool + blk * D + tid;
+      for (int j = 0; j < n; ++j) {
+        const float v = static_cast<float>(vcol[(size_t)j * D]);
+#pragma unroll
+        for (int gg = 0; gg < G; ++gg) acc[gg] = __fmaf_rn(ps[gg][j], v, acc[gg]);
+      }
+    }
+    __syncthreads();
+  }
+  if (tid < D) {
+#pragma unroll
+    for (int gg = 0; gg < G; ++gg)
+      out[base + (size_t)gg * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
+  }
+"""
+
+# qkv [R, (HQ + 2 HKV) * D] -> q [R, HQ*D], k [R, HKV*D] rotated (rotate-half RoPE with
+# the cos/sin rows of each row's position), v [R, HKV*D]; one thread per element pair.
+_ROPE_SOURCE = r"""
+  const int R = qkv_shape[0];
+  const int W = qkv_shape[1];
+  const int heads = W / D;              // HQ + 2 * HKV
+  const int HQ = heads - 2 * HKV;
+  const int half = D / 2;
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;   // (row, head, d < half)
+  if (i >= (size_t)R * heads * half) return;
+  const int d = i % half;
+  const int hd = (i / half) % heads;
+  const int r = i / ((size_t)half * heads);
+  const size_t src = (size_t)r * W + (size_t)hd * D;
+  const float x1 = static_cast<float>(qkv[src + d]);
+  const float x2 = static_cast<float>(qkv[src + d + half]);
+  if (hd >= HQ + HKV) {
+    const size_t dst = ((size_t)r * HKV + (hd - HQ - HKV)) * D;
+    v[dst + d] = qkv[src + d];
+    v[dst + d + half] = qkv[src + d + half];
+    return;
+  }
+  const int p = positions[r];
+  const float c1 = static_cast<float>(cos_t[(size_t)p * D + d]);
+  const float c2 = static_cast<float>(cos_t[(size_t)p * D + d + half]);
+  const float s1 = static_cast<float>(sin_t[(size_t)p * D + d]);
+  const float s2 = static_cast<float>(sin_t[(size_t)p * D + d + half]);
+  const T o1 = static_cast<T>(x1 * c1 - x2 * s1);
+  const T o2 = static_cast<T>(x2 * c2 + x1 * s2);
+  if (hd < HQ) {
+    const size_t dst = ((size_t)r * HQ + hd) * D;
+    q[dst + d] = o1;
+    q[dst + d + half] = o2;
+  } else {
+    const size_t dst = ((size_t)r * HKV + (hd - HQ)) * D;
+    k[dst + d] = o1;
+    k[dst + d + half] = o2;
+  }
+"""
+
+# gate_up [R, 2I] -> silu(gate) * up [R, I]
+_SWIGLU_SOURCE = r"""
+  const int R = gate_up_shape[0];
+  const int I = gate_up_shape[1] / 2;
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)R * I) return;
+  const size_t r = i / I, c = i % I;
+  const float gt = static_cast<float>(gate_up[r * 2 * I + c]);
+  const float up = static_cast<float>(gate_up[r * 2 * I + I + c]);
+  out[i] = static_cast<T>(gt / (1.0f + expf(-gt)) * up);
+"""
+
+
+def enabled() -> bool:
+    """Kernels run on a CUDA GPU unless SLOTSERVE_CUDA_KERNELS=0."""
+    return (os.environ.get("SLOTSERVE_CUDA_KERNELS", "1") != "0"
+            and mx.default_device() == mx.gpu and mx.cuda.is_available())
+
+
+@cache
+def _kernel(name: str) -> Any:
+    sources = {
+        "q4_matmul": (["x", "w", "sb"], ["y"], _Q4_SOURCE),
+        "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
+                            ["out"], _ATTENTION_SOURCE),
+        "rope_split": (["qkv", "cos_t", "sin_t", "positions"], ["q", "k", "v"], _ROPE_SOURCE),
+        "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE),
+    }
+    inputs, outputs, body = sources[name]
+    return mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=inputs,
+                               output_names=outputs, source=body, header=_HEADER)
+
+
+# ---- 4-bit matmul --------------------------------------------------------------------
+
+def q4_supported(in_dim: int, out_dim: int, bits: int, group_size: int) -> bool:
+    return bits == 4 and group_size == GROUP and in_dim % GROUP == 0 and out_dim % 16 == 0
+
+
+def q4_pack_scales(scales: mx.array, biases: mx.array) -> mx.array:
+    """[N, K/64] scales and biases -> [K/64, N, 2] bf16, the layout the kernel reads."""
+    return mx.stack([scales.T, biases.T], axis=-1).astype(mx.bfloat16)
+
+
+def _k_split(groups: int) -> int:
+    """Warps splitting K: a function of K only, so every row count sums the same way."""
+    return next(s for s in (8, 4, 2, 1) if groups % s == 0)
+
+
+def q4_matmul(x: mx.array, w: mx.array, sb: mx.array) -> mx.array:
+    """x [M, K] bf16, w [N, K/8] uint32 (4-bit, group 64), sb from q4_pack_scales -> [M, N]."""
+    m, k = x.shape
+    n = w.shape[0]
+    ksplit = _k_split(k // GROUP)
+    mt = 1 if m <= 16 else 2 if m <= 32 else 4 if m <= 64 else 8
+    (y,) = _kernel("q4_matmul")(
+        inputs=[x.astype(mx.bfloat16), w, sb],
+        template=[("MT", mt), ("KSPLIT", ksplit)],
+        grid=(n // 16 * 32 * ksplit, -(-m // (16 * mt)), 1),
+        threadgroup=(32 * ksplit, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return y
+
+
+# ---- attention ------------------------------------------------------------------------
+
+def attention_supported(dtype: mx.Dtype, head_dim: int) -> bool:
+    return dtype == mx.bfloat16 and head_dim % 8 == 0 and head_dim <= 128
+
+
+def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.array,
+                    row_table: mx.array, row_pos: mx.array, scale: float,
+                    window: int | None = None) -> mx.array:
+    """q [R, Hq, D]; pools [blocks * 128, D]; tables [S, nb, Hkv] -> [R, Hq, D] bf16."""
+    r, hq, d = q.shape
+    hkv = tables.shape[2]
+    (out,) = _kernel("paged_attention")(
+        inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
+                mx.array([scale * 1.4426950408889634], dtype=mx.float32)],
+        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0)],
+        grid=(r * hkv * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(r, hq * d)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return out.reshape(r, hq, d)
+
+
+def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
+    """Start-up probe for paged_attention (see invariance.row_table_kernel_invariant)."""
+    from slotserve.kernels.invariance import row_table_kernel_invariant
+
+    def run(q: mx.array, keys: mx.array, values: mx.array, rows: Any) -> np.ndarray:
+        out = paged_attention(q, keys, values, mx.array(rows.tables), mx.array(rows.row_table),
+                              mx.array(rows.row_pos), head_dim**-0.5)
+        return np.asarray(out.astype(mx.float32))
+
+    return row_table_kernel_invariant(run, group, kv_heads, head_dim, mx.bfloat16)
+
+
+# ---- elementwise glue -----------------------------------------------------------------
+
+def rope_split(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array, heads: int,
+               kv_heads: int, head_dim: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Fused QKV rows -> RoPE'd q [R, heads, D], k [R, kv_heads, D] and v [R, kv_heads, D].
+
+    cos/sin: the whole [positions, D] tables; positions: [R] int32.
+    """
+    r = qkv.shape[0]
+    pairs = r * (heads + 2 * kv_heads) * (head_dim // 2)
+    q, k, v = _kernel("rope_split")(
+        inputs=[qkv, cos, sin, positions],
+        template=[("T", qkv.dtype), ("D", head_dim), ("HKV", kv_heads)],
+        grid=(pairs, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(r, heads, head_dim), (r, kv_heads, head_dim), (r, kv_heads, head_dim)],
+        output_dtypes=[qkv.dtype] * 3,
+    )
+    return q, k, v
+
+
+def swiglu(gate_up: mx.array) -> mx.array:
+    """[R, 2I] (gate then up) -> silu(gate) * up, [R, I]."""
+    r, two_i = gate_up.shape
+    (out,) = _kernel("swiglu")(
+        inputs=[gate_up],
+        template=[("T", gate_up.dtype)],
+        grid=(r * (two_i // 2), 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(r, two_i // 2)],
+        output_dtypes=[gate_up.dtype],
+    )
+    return out

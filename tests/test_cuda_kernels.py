@@ -1,0 +1,93 @@
+"""slotserve's CUDA kernels (slotserve.kernels.cuda) against plain MLX references, and
+their batch invariance, on the GPU (skipped where MLX has no CUDA GPU, e.g. CI)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from slotserve.kernels import cuda
+from slotserve.kernels.attention import BLOCK, paged_blocks, reference_attention
+from slotserve.model.layers import Rope
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda.enabled(), reason="needs MLX with a CUDA GPU"),
+]
+
+
+def _q4(n_out: int, n_in: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+    w = mx.random.normal((n_out, n_in), key=mx.random.key(seed)) * n_in**-0.5
+    q, s, b = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
+    dense = mx.dequantize(q, s, b, group_size=64, bits=4).astype(mx.float32)
+    return q, cuda.q4_pack_scales(s, b), dense
+
+
+@pytest.mark.parametrize(("n_out", "n_in"), [(512, 4096), (256, 576), (4096, 1024)])
+def test_q4_matmul_matches_dequantized_matmul(n_out: int, n_in: int) -> None:
+    q, sb, dense = _q4(n_out, n_in, 1)
+    for m in (1, 3, 16, 17, 40, 100, 130):
+        x = mx.random.normal((m, n_in), key=mx.random.key(m)).astype(mx.bfloat16)
+        want = x.astype(mx.float32) @ dense.T
+        got = cuda.q4_matmul(x, q, sb).astype(mx.float32)
+        err = mx.abs(got - want).max().item()
+        assert err <= 2e-2 * (1 + mx.abs(want).max().item()), (m, err)
+
+
+def test_q4_matmul_rows_do_not_depend_on_row_count() -> None:
+    q, sb, _ = _q4(1024, 2048, 2)
+    x = mx.random.normal((200, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
+    full = cuda.q4_matmul(x, q, sb)
+    for m in (1, 2, 7, 8, 9, 15, 16, 31, 33, 64, 65, 128, 129):
+        assert mx.array_equal(cuda.q4_matmul(x[:m], q, sb), full[:m]).item(), m
+        assert mx.array_equal(cuda.q4_matmul(x[m - 1 : m], q, sb)[0], full[m - 1]).item(), m
+
+
+@pytest.mark.parametrize(("group", "head_dim", "window"),
+                         [(4, 128, None), (2, 64, None), (3, 64, 100)])
+def test_paged_attention_matches_reference(group: int, head_dim: int, window: int | None) -> None:
+    hkv, cap = 2, 3 * BLOCK
+    ks = [mx.random.normal((hkv, cap, head_dim), key=mx.random.key(i)) for i in range(3)]
+    vs = [mx.random.normal((hkv, cap, head_dim), key=mx.random.key(9 + i)) for i in range(3)]
+    kpool, tables = paged_blocks([k.astype(mx.bfloat16) for k in ks])
+    vpool, _ = paged_blocks([v.astype(mx.bfloat16) for v in vs])
+    q = mx.random.normal((cap, hkv * group, head_dim), key=mx.random.key(20)).astype(mx.bfloat16)
+    # rows of slot 1: a prefill chunk over positions 0..199, then decode rows at 250 and cap-1
+    positions = [*range(200), 250, cap - 1]
+    rows = mx.array(positions, dtype=mx.int32)
+    got = cuda.paged_attention(q[rows], kpool.reshape(-1, head_dim), vpool.reshape(-1, head_dim),
+                               tables, mx.ones((len(positions),), mx.int32), rows,
+                               head_dim**-0.5, window)
+    k1, v1 = ks[1].astype(mx.bfloat16), vs[1].astype(mx.bfloat16)
+    for i, p in enumerate(positions):
+        if p >= 200 or p % 37 == 0:
+            want = reference_attention(q[p : p + 1], k1, v1, p, head_dim**-0.5, window)
+            err = mx.abs(got[i].astype(mx.float32) - want[0]).max().item()
+            assert err < 3e-2, (p, err)
+
+
+def test_paged_attention_probe() -> None:
+    assert cuda.attention_invariant(4, 2, 128)
+    assert cuda.attention_invariant(2, 2, 64)
+
+
+def test_rope_split_and_swiglu_match_mlx() -> None:
+    heads, kv_heads, d, r = 4, 2, 64, 5
+    rope = Rope(d, 10000.0, None, mx.bfloat16)
+    pos = mx.array([0, 3, 77, 4095, 12], dtype=mx.int32)
+    cos, sin = rope.tables(pos, 4096)
+    qkv = mx.random.normal((r, (heads + 2 * kv_heads) * d), key=mx.random.key(5))
+    qkv = qkv.astype(mx.bfloat16)
+    q, k, v = cuda.rope_split(qkv, rope.cos, rope.sin, pos, heads, kv_heads, d)
+    x = qkv.astype(mx.float32).reshape(r, heads + 2 * kv_heads, d)
+    c, s = cos.astype(mx.float32), sin.astype(mx.float32)
+    want_q = Rope.apply(x[:, :heads], c, s)
+    want_k = Rope.apply(x[:, heads : heads + kv_heads], c, s)
+    np.testing.assert_allclose(np.asarray(q.astype(mx.float32)), np.asarray(want_q), atol=3e-2)
+    np.testing.assert_allclose(np.asarray(k.astype(mx.float32)), np.asarray(want_k), atol=3e-2)
+    assert mx.array_equal(v, qkv.reshape(r, -1, d)[:, heads + kv_heads :]).item()
+    gu = mx.random.normal((r, 2 * 96), key=mx.random.key(6)).astype(mx.bfloat16)
+    g, u = gu[:, :96].astype(mx.float32), gu[:, 96:].astype(mx.float32)
+    np.testing.assert_allclose(np.asarray(cuda.swiglu(gu).astype(mx.float32)),
+                               np.asarray(g * mx.sigmoid(g) * u), atol=3e-2)
