@@ -187,7 +187,7 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
     w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(mx.bfloat16)
     q, s, b = mx.quantize(w, group_size=64, bits=4)
     qbytes = q.nbytes + s.nbytes + b.nbytes
-    sb = cuda.q4_pack_scales(s, b) if cuda.enabled() else None
+    packed = cuda.q4_pack(q, s, b) if cuda.enabled() else None
     out = []
     for m in rows:
         x = mx.random.normal((m, n_in)).astype(mx.bfloat16)
@@ -197,8 +197,8 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
         r = {"shape": [m, n_in, n_out], "q4_us": round(tq * 1e6, 1),
              "q4_gbps": round(qbytes / tq / GB, 1), "bf16_us": round(tb * 1e6, 1),
              "bf16_gbps": round(w.nbytes / tb / GB, 1)}
-        if cuda.enabled():  # slotserve's own 4-bit kernel on the same weights
-            tk = _timed(lambda x=x: cuda.q4_matmul(x, q, sb))
+        if packed is not None:  # slotserve's own 4-bit kernel on the same weights
+            tk = _timed(lambda x=x: cuda.q4_matmul(x, *packed))
             r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1))
         out.append(r)
         emit({"micro_matmul": r})

@@ -17,31 +17,33 @@ pytestmark = [
 ]
 
 
-def _q4(n_out: int, n_in: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
+def _q4(n_out: int, n_in: int, seed: int) -> tuple[tuple[mx.array, mx.array], mx.array]:
     w = mx.random.normal((n_out, n_in), key=mx.random.key(seed)) * n_in**-0.5
     q, s, b = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
     dense = mx.dequantize(q, s, b, group_size=64, bits=4).astype(mx.float32)
-    return q, cuda.q4_pack_scales(s, b), dense
+    return cuda.q4_pack(q, s, b), dense
 
 
-@pytest.mark.parametrize(("n_out", "n_in"), [(512, 4096), (256, 576), (4096, 1024)])
+@pytest.mark.parametrize(("n_out", "n_in"), [(512, 4096), (256, 640), (16384, 1024), (48, 256)])
 def test_q4_matmul_matches_dequantized_matmul(n_out: int, n_in: int) -> None:
-    q, sb, dense = _q4(n_out, n_in, 1)
+    packed, dense = _q4(n_out, n_in, 1)
     for m in (1, 3, 16, 17, 40, 100, 130):
         x = mx.random.normal((m, n_in), key=mx.random.key(m)).astype(mx.bfloat16)
         want = x.astype(mx.float32) @ dense.T
-        got = cuda.q4_matmul(x, q, sb).astype(mx.float32)
+        got = cuda.q4_matmul(x, *packed).astype(mx.float32)
         err = mx.abs(got - want).max().item()
         assert err <= 2e-2 * (1 + mx.abs(want).max().item()), (m, err)
 
 
 def test_q4_matmul_rows_do_not_depend_on_row_count() -> None:
-    q, sb, _ = _q4(1024, 2048, 2)
-    x = mx.random.normal((200, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
-    full = cuda.q4_matmul(x, q, sb)
-    for m in (1, 2, 7, 8, 9, 15, 16, 31, 33, 64, 65, 128, 129):
-        assert mx.array_equal(cuda.q4_matmul(x[:m], q, sb), full[:m]).item(), m
-        assert mx.array_equal(cuda.q4_matmul(x[m - 1 : m], q, sb)[0], full[m - 1]).item(), m
+    for n_out in (1024, 16384):  # both column widths per block
+        packed, _ = _q4(n_out, 2048, 2)
+        x = mx.random.normal((200, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
+        full = cuda.q4_matmul(x, *packed)
+        for m in (1, 2, 7, 8, 9, 15, 16, 31, 33, 64, 65, 128, 129):
+            assert mx.array_equal(cuda.q4_matmul(x[:m], *packed), full[:m]).item(), m
+            one = cuda.q4_matmul(x[m - 1 : m], *packed)[0]
+            assert mx.array_equal(one, full[m - 1]).item(), m
 
 
 @pytest.mark.parametrize(("group", "head_dim", "window"),

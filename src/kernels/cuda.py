@@ -55,6 +55,8 @@ __device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
 
@@ -68,119 +70,126 @@ __device__ __forceinline__ float sum16(uint4 a, uint4 b) {
 }
 """
 
-# Weights w [N, K/8] uint32 (MLX packing: 8 codes per word, low nibble first), sb
-# [K/64, N, 2] bf16 (scale, bias per group and column), x [M, K] bf16 -> y [M, N].
-# Thread (g = lane/4, t = lane%4) of an mma takes k = 16t..16t+15 of each 64-wide
-# group: for step s, mma k-slots (2t, 2t+1) hold k 16t+4s+{0,1} and slots
-# (2t+8, 2t+9) hold 16t+4s+{2,3}, for x and w alike, so both fragments come from
-# contiguous memory (a fixed permutation of k inside the group, the same for all rows).
+# Weights and scales are repacked once at load (q4_pack) so that every warp load is one
+# contiguous 512-byte (weights) or 64-byte (scales) piece holding exactly the mma
+# fragments its threads need. Thread (g = lane/4, t = lane%4) of an mma takes k =
+# 16t..16t+15 of each 64-wide group: for step s, mma k-slots (2t, 2t+1) hold k
+# 16t+4s+{0,1} and slots (2t+8, 2t+9) hold 16t+4s+{2,3}, for x and w alike (a fixed
+# permutation of k inside the group, the same for every row).
+#   wp [N/8, K/128, 32 lanes, 4]: lane's words 2t, 2t+1 of row 8*tile+g, groups 2c, 2c+1
+#   sp [N/8, K/128, 4 (t), 4]: (scale, bias) bf16 pairs of columns 8*tile+2t+{0,1},
+#                              groups 2c, 2c+1
+# x [M, K] bf16 -> y [M, N] bf16; a block covers 8*NT columns and 16*MT rows.
 _Q4_SOURCE = r"""
   const int M = x_shape[0];
   const int K = x_shape[1];
-  const int N = w_shape[0];
-  const int groups = K / 64;
+  const int N = wp_shape[0] * 8;
+  const int chunks = K / 128;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int n_base = blockIdx.x * 16;
+  const int tile0 = blockIdx.x * NT;
   const int m_base = blockIdx.y * 16 * MT;
-  const int per_warp = groups / KSPLIT;
-  const int gi0 = warp * per_warp;
+  const int per_warp = chunks / KSPLIT;
+  const int c0 = warp * per_warp;
   const int mt_live = min(MT, (M - m_base + 15) / 16);
 
-  float acc[MT][2][4];
+  float acc[MT][NT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[mt][nt][c] = 0.0f;
 
-  const uint32_t* wrow0 = w + (size_t)(n_base + g) * (K / 8) + 2 * t;
-  const uint32_t* wrow1 = w + (size_t)(n_base + 8 + g) * (K / 8) + 2 * t;
-  const uint32_t* sbw = reinterpret_cast<const uint32_t*>(sb);
+  const uint4* wv = reinterpret_cast<const uint4*>(wp);
+  const uint4* sv = reinterpret_cast<const uint4*>(sp);
 
 #pragma unroll 2
-  for (int gi = gi0; gi < gi0 + per_warp; ++gi) {
-    const uint2 wq0 = *reinterpret_cast<const uint2*>(wrow0 + gi * 8);
-    const uint2 wq1 = *reinterpret_cast<const uint2*>(wrow1 + gi * 8);
-    // (scale, bias) of columns n_base + nt*8 + 2t and +1: two bf16 pairs each
-    const uint2 sb0 = *reinterpret_cast<const uint2*>(sbw + (size_t)gi * N + n_base + 2 * t);
-    const uint2 sb1 = *reinterpret_cast<const uint2*>(sbw + (size_t)gi * N + n_base + 8 + 2 * t);
-    uint32_t bq[2][8];
+  for (int ch = c0; ch < c0 + per_warp; ++ch) {
+    uint4 wq[NT], sq[NT];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int sh = 16 * (s & 1);
-      const uint32_t w0 = s < 2 ? wq0.x : wq0.y;
-      const uint32_t w1 = s < 2 ? wq1.x : wq1.y;
-      bq[0][2 * s] = q4_pair(w0, sh);
-      bq[0][2 * s + 1] = q4_pair(w0, sh + 8);
-      bq[1][2 * s] = q4_pair(w1, sh);
-      bq[1][2 * s + 1] = q4_pair(w1, sh + 8);
+    for (int nt = 0; nt < NT; ++nt) {
+      wq[nt] = wv[((size_t)(tile0 + nt) * chunks + ch) * 32 + lane];
+      sq[nt] = sv[((size_t)(tile0 + nt) * chunks + ch) * 4 + t];
     }
-    const float s00 = bf_lo(sb0.x), b00 = bf_hi(sb0.x), s01 = bf_lo(sb0.y), b01 = bf_hi(sb0.y);
-    const float s10 = bf_lo(sb1.x), b10 = bf_hi(sb1.x), s11 = bf_lo(sb1.y), b11 = bf_hi(sb1.y);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      if (mt >= mt_live) break;
-      const int r0 = m_base + mt * 16 + g, r1 = r0 + 8;
-      uint4 xa0 = make_uint4(0, 0, 0, 0), xa1 = xa0, xb0 = xa0, xb1 = xa0;
-      if (r0 < M) {
-        const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r0 * K + gi * 64 + 16 * t);
-        xa0 = p[0];
-        xa1 = p[1];
-      }
-      if (r1 < M) {
-        const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r1 * K + gi * 64 + 16 * t);
-        xb0 = p[0];
-        xb1 = p[1];
-      }
-      const uint32_t A0[8] = {xa0.x, xa0.y, xa0.z, xa0.w, xa1.x, xa1.y, xa1.z, xa1.w};
-      const uint32_t A1[8] = {xb0.x, xb0.y, xb0.z, xb0.w, xb1.x, xb1.y, xb1.z, xb1.w};
-      float tmp[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    for (int par = 0; par < 2; ++par) {
+      const int gi = 2 * ch + par;
+      uint32_t bq[NT][8];
+      float sc0[NT], bi0[NT], sc1[NT], bi1[NT];
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        mma_bf16(tmp[0], A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1],
-                 bq[0][2 * s], bq[0][2 * s + 1]);
-        mma_bf16(tmp[1], A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1],
-                 bq[1][2 * s], bq[1][2 * s + 1]);
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint32_t wlo = par ? wq[nt].z : wq[nt].x;
+        const uint32_t whi = par ? wq[nt].w : wq[nt].y;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t word = s < 2 ? wlo : whi;
+          const int sh = 16 * (s & 1);
+          bq[nt][2 * s] = q4_pair(word, sh);
+          bq[nt][2 * s + 1] = q4_pair(word, sh + 8);
+        }
+        const uint32_t p0 = par ? sq[nt].z : sq[nt].x;  // column 2t
+        const uint32_t p1 = par ? sq[nt].w : sq[nt].y;  // column 2t + 1
+        sc0[nt] = bf_lo(p0); bi0[nt] = bf_hi(p0); sc1[nt] = bf_lo(p1); bi1[nt] = bf_hi(p1);
       }
-      // sum of x over the group for rows r0 and r1: this thread's 16, then its quad
-      float xs0 = sum16(xa0, xa1), xs1 = sum16(xb0, xb1);
-      xs0 += __shfl_xor_sync(0xffffffffu, xs0, 1);
-      xs0 += __shfl_xor_sync(0xffffffffu, xs0, 2);
-      xs1 += __shfl_xor_sync(0xffffffffu, xs1, 1);
-      xs1 += __shfl_xor_sync(0xffffffffu, xs1, 2);
-      float* a0 = acc[mt][0];
-      float* a1 = acc[mt][1];
-      a0[0] = __fmaf_rn(s00, tmp[0][0], __fmaf_rn(b00, xs0, a0[0]));
-      a0[1] = __fmaf_rn(s01, tmp[0][1], __fmaf_rn(b01, xs0, a0[1]));
-      a0[2] = __fmaf_rn(s00, tmp[0][2], __fmaf_rn(b00, xs1, a0[2]));
-      a0[3] = __fmaf_rn(s01, tmp[0][3], __fmaf_rn(b01, xs1, a0[3]));
-      a1[0] = __fmaf_rn(s10, tmp[1][0], __fmaf_rn(b10, xs0, a1[0]));
-      a1[1] = __fmaf_rn(s11, tmp[1][1], __fmaf_rn(b11, xs0, a1[1]));
-      a1[2] = __fmaf_rn(s10, tmp[1][2], __fmaf_rn(b10, xs1, a1[2]));
-      a1[3] = __fmaf_rn(s11, tmp[1][3], __fmaf_rn(b11, xs1, a1[3]));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt >= mt_live) break;
+        const int r0 = m_base + mt * 16 + g, r1 = r0 + 8;
+        uint4 xa0 = make_uint4(0, 0, 0, 0), xa1 = xa0, xb0 = xa0, xb1 = xa0;
+        if (r0 < M) {
+          const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r0 * K + gi * 64 + 16 * t);
+          xa0 = p[0];
+          xa1 = p[1];
+        }
+        if (r1 < M) {
+          const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r1 * K + gi * 64 + 16 * t);
+          xb0 = p[0];
+          xb1 = p[1];
+        }
+        const uint32_t A0[8] = {xa0.x, xa0.y, xa0.z, xa0.w, xa1.x, xa1.y, xa1.z, xa1.w};
+        const uint32_t A1[8] = {xb0.x, xb0.y, xb0.z, xb0.w, xb1.x, xb1.y, xb1.z, xb1.w};
+        // sum of x over the group for rows r0 and r1: this thread's 16, then its quad
+        float xs0 = sum16(xa0, xa1), xs1 = sum16(xb0, xb1);
+        xs0 += __shfl_xor_sync(0xffffffffu, xs0, 1);
+        xs0 += __shfl_xor_sync(0xffffffffu, xs0, 2);
+        xs1 += __shfl_xor_sync(0xffffffffu, xs1, 1);
+        xs1 += __shfl_xor_sync(0xffffffffu, xs1, 2);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+            mma_bf16(tmp, A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1],
+                     bq[nt][2 * s], bq[nt][2 * s + 1]);
+          float* a = acc[mt][nt];
+          a[0] = __fmaf_rn(sc0[nt], tmp[0], __fmaf_rn(bi0[nt], xs0, a[0]));
+          a[1] = __fmaf_rn(sc1[nt], tmp[1], __fmaf_rn(bi1[nt], xs0, a[1]));
+          a[2] = __fmaf_rn(sc0[nt], tmp[2], __fmaf_rn(bi0[nt], xs1, a[2]));
+          a[3] = __fmaf_rn(sc1[nt], tmp[3], __fmaf_rn(bi1[nt], xs1, a[3]));
+        }
+      }
     }
   }
 
   // the K-split partials, summed in warp order, one row tile at a time
-  __shared__ float red[KSPLIT][8][32];
+  __shared__ float red[KSPLIT][NT * 4][32];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     if (mt >= mt_live) break;  // uniform across the block
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[mt][nt][c];
     __syncthreads();
-    for (int e = threadIdx.x; e < 8 * 32; e += 32 * KSPLIT) {
+    for (int e = threadIdx.x; e < NT * 4 * 32; e += 32 * KSPLIT) {
       const int idx = e >> 5, ln = e & 31;
       float v = red[0][idx][ln];
 #pragma unroll
       for (int k = 1; k < KSPLIT; ++k) v += red[k][idx][ln];
       const int nt = idx >> 2, c = idx & 3;
       const int row = m_base + mt * 16 + (ln >> 2) + (c >= 2 ? 8 : 0);
-      const int col = n_base + nt * 8 + 2 * (ln & 3) + (c & 1);
+      const int col = (tile0 + nt) * 8 + 2 * (ln & 3) + (c & 1);
       if (row < M) y[(size_t)row * N + col] = __float2bfloat16(v);
     }
     __syncthreads();
@@ -211,7 +220,7 @@ _ATTENTION_SOURCE = r"""
   const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
   float run_max[G], run_sum[G], acc[G];
 #pragma unroll
-  for (int gg = 0; gg < G; ++gg) { run_max[gg] = -inf; run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
+  for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   const int* table = tables + (size_t)tb * nbmax * HKV;
   for (int jb = lo / 128; jb <= pos / 128; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
@@ -241,7 +250,7 @@ _ATTENTION_SOURCE = r"""
     float m_new[G], alpha[G];
 #pragma unroll
     for (int gg = 0; gg < G; ++gg) {
-      s[gg] = valid ? s[gg] * scale : -inf;
+      s[gg] = valid ? s[gg] * scale : neg_inf();
       float m = s[gg];
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
       if (lane == 0) part[gg][warp] = m;
@@ -251,7 +260,7 @@ _ATTENTION_SOURCE = r"""
     for (int gg = 0; gg < G; ++gg) {
       const float m = fmaxf(fmaxf(part[gg][0], part[gg][1]), fmaxf(part[gg][2], part[gg][3]));
       m_new[gg] = fmaxf(run_max[gg], m);
-      alpha[gg] = run_max[gg] == -inf ? 0.0f : exp2f(run_max[gg] - m_new[gg]);
+      alpha[gg] = run_max[gg] == neg_inf() ? 0.0f : exp2f(run_max[gg] - m_new[gg]);
       const float p = valid ? exp2f(s[gg] - m_new[gg]) : 0.0f;
       ps[gg][tid] = p;
     }
@@ -353,7 +362,7 @@ def enabled() -> bool:
 @cache
 def _kernel(name: str) -> Any:
     sources = {
-        "q4_matmul": (["x", "w", "sb"], ["y"], _Q4_SOURCE),
+        "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
                             ["out"], _ATTENTION_SOURCE),
         "rope_split": (["qkv", "cos_t", "sin_t", "positions"], ["q", "k", "v"], _ROPE_SOURCE),
@@ -367,29 +376,38 @@ def _kernel(name: str) -> Any:
 # ---- 4-bit matmul --------------------------------------------------------------------
 
 def q4_supported(in_dim: int, out_dim: int, bits: int, group_size: int) -> bool:
-    return bits == 4 and group_size == GROUP and in_dim % GROUP == 0 and out_dim % 16 == 0
+    return bits == 4 and group_size == GROUP and in_dim % 128 == 0 and out_dim % 16 == 0
 
 
-def q4_pack_scales(scales: mx.array, biases: mx.array) -> mx.array:
-    """[N, K/64] scales and biases -> [K/64, N, 2] bf16, the layout the kernel reads."""
-    return mx.stack([scales.T, biases.T], axis=-1).astype(mx.bfloat16)
+def q4_pack(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
+    """MLX 4-bit [N, K/8] weights and [N, K/64] scales/biases -> the kernel's layouts."""
+    n, words = w.shape
+    chunks = words // 16
+    wp = (w.reshape(n // 8, 8, chunks, 2, 4, 2).transpose(0, 2, 1, 4, 3, 5)
+          .reshape(n // 8, chunks, 32, 4))
+    pairs = mx.stack([scales, biases], axis=-1).astype(mx.bfloat16).view(mx.uint32)
+    sp = (pairs.reshape(n // 8, 4, 2, chunks, 2).transpose(0, 3, 1, 4, 2)
+          .reshape(n // 8, chunks, 4, 4))
+    return mx.contiguous(wp), mx.contiguous(sp)
 
 
-def _k_split(groups: int) -> int:
+def _k_split(chunks: int) -> int:
     """Warps splitting K: a function of K only, so every row count sums the same way."""
-    return next(s for s in (8, 4, 2, 1) if groups % s == 0)
+    return next(s for s in (8, 4, 2, 1) if chunks % s == 0)
 
 
-def q4_matmul(x: mx.array, w: mx.array, sb: mx.array) -> mx.array:
-    """x [M, K] bf16, w [N, K/8] uint32 (4-bit, group 64), sb from q4_pack_scales -> [M, N]."""
+def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array) -> mx.array:
+    """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16."""
     m, k = x.shape
-    n = w.shape[0]
-    ksplit = _k_split(k // GROUP)
+    n = wp.shape[0] * 8
+    ksplit = _k_split(k // 128)
     mt = 1 if m <= 16 else 2 if m <= 32 else 4 if m <= 64 else 8
+    # columns per block: wide for big N at few rows; MT x NT bounds the accumulators
+    nt = 4 if n % 32 == 0 and n >= 16384 and mt <= 4 else 2
     (y,) = _kernel("q4_matmul")(
-        inputs=[x.astype(mx.bfloat16), w, sb],
-        template=[("MT", mt), ("KSPLIT", ksplit)],
-        grid=(n // 16 * 32 * ksplit, -(-m // (16 * mt)), 1),
+        inputs=[x.astype(mx.bfloat16), wp, sp],
+        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit)],
+        grid=(n // (8 * nt) * 32 * ksplit, -(-m // (16 * mt)), 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[mx.bfloat16],

@@ -175,7 +175,7 @@ class Linear:
         self.q: QuantizedWeight | None = None
         self.w: mx.array | None = None
         self.kernel: cpu_gemm.Matrix | None = None
-        self.q4_scales: mx.array | None = None  # [K/64, N, 2] for cuda.q4_matmul
+        self.q4: tuple[mx.array, mx.array] | None = None  # cuda.q4_pack layouts
         lib = native.library() if _use_cpu_kernel(compute_dtype, keep_quantized) else None
         if isinstance(weight, QuantizedWeight):
             if keep_quantized:
@@ -189,8 +189,8 @@ class Linear:
         q = self.q
         if (q is not None and compute_dtype == mx.bfloat16 and cuda.enabled()
                 and cuda.q4_supported(q.shape[1], q.shape[0], q.bits, q.group_size)):
-            self.q4_scales = cuda.q4_pack_scales(q.scales, q.biases)
-            mx.eval(self.q4_scales)
+            self.q4 = cuda.q4_pack(q.weight, q.scales, q.biases)
+            mx.eval(self.q4)
 
     @staticmethod
     def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool) -> Linear:
@@ -221,9 +221,8 @@ class Linear:
     def __call__(self, x: mx.array) -> mx.array:
         if self.kernel is not None:
             return self.kernel(x)
-        if self.q4_scales is not None:
-            assert self.q is not None
-            return cuda.q4_matmul(x, self.q.weight, self.q4_scales)
+        if self.q4 is not None:
+            return cuda.q4_matmul(x, *self.q4)
         if self.q is not None:
             q = self.q
             return mx.quantized_matmul(
