@@ -87,7 +87,7 @@ fi
 
 if want bench; then
   stage "gpu_bench llama3-8b"
-  timeout 280 $PY bench/gpu_bench.py --model "$LLAMA" --streams 1,8,32,64,128 \
+  timeout "${BENCH_TIMEOUT:-280}" $PY bench/gpu_bench.py --model "$LLAMA" --streams 1,8,32,64,128 \
     --prompt-tokens 128 --new-tokens 64 --ttft-tokens 1024 --prefill-budget 1024 \
     --out "$OUT/bench_llama3-8b.json" | grep -v '^ \|^[{}]$'
 fi
