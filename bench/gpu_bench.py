@@ -282,8 +282,10 @@ async def engine_invariance(engine: Engine, n: int = 8, max_tokens: int = 16) ->
             tg.start_soon(one, i)
     batch_same = [together[i].token_ids == solo[i].token_ids for i in range(n)]
     prefix: dict[str, Any] = {}
-    for i in (0, 1):  # greedy and seeded
-        convo = prompts[i] + solo[i].token_ids + prompt_ids(engine, 900 + i, 20)
+    for i in (0, 1):  # greedy and seeded; each continues its own retained conversation
+        engine.drop_retained()
+        first = await engine.complete(prompts[i], **_opts(i, max_tokens))
+        convo = prompts[i] + first.token_ids + prompt_ids(engine, 900 + i, 20)
         warm = await engine.complete(convo, **_opts(i, max_tokens))
         engine.drop_retained()
         cold = await engine.complete(convo, **_opts(i, max_tokens))
