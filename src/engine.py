@@ -53,6 +53,9 @@ class EngineConfig:
     max_parked: int | None = None  # conversations kept beyond the slots; None: max_slots
     default_max_tokens: int | None = None  # None: up to the context length
     shutdown_deadline: float = 30.0
+    # queue the next decode step while the slots take their tokens (runtime.runner);
+    # None: on for the GPU, off for the CPU (there the cores are busy either way)
+    speculate: bool | None = None
 
 
 @dataclass
@@ -104,7 +107,8 @@ class Engine:
         )
         lm = self.loaded
         self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
-        runner = ModelRunner(lm.model)
+        speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
+        runner = ModelRunner(lm.model, speculate=speculate)
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)

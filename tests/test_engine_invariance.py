@@ -1,7 +1,8 @@
 """The project's standing rules, checked through the real engine on the real SmolLM2.
 
 (a) batch invariance, (b) prefix-reuse invariance, (c) determinism, (d) isolation,
-(e) cancellation frees the slot and its KV budget.
+(e) cancellation frees the slot and its KV budget. Every rule runs twice: plain, and
+with the runner speculating the next decode step (the GPU default, runtime.runner).
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ OPTIONS: list[dict[str, Any]] = [
 MAX_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def harness() -> Any:
-    h = EngineHarness(max_slots=8, max_queue=32)
+SOLO_BY_MODE: dict[bool, list[Completion]] = {}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "speculating"])
+def harness(request: pytest.FixtureRequest) -> Any:
+    h = EngineHarness(max_slots=8, max_queue=32, speculate=request.param)
     yield h
     h.close()
 
@@ -54,7 +58,20 @@ def solo(harness: EngineHarness) -> list[Completion]:
     for i in range(len(QUESTIONS)):
         harness.engine.drop_retained()
         out.append(chat(harness, i))
+    SOLO_BY_MODE[harness.engine.config.speculate] = out
     return out
+
+
+def test_speculation_changes_nothing(harness: EngineHarness, solo: list[Completion]) -> None:
+    """Speculating runs take logits from the queued step and give the same tokens."""
+    runner = harness.engine.batcher.runner  # type: ignore[union-attr]
+    if not harness.engine.config.speculate:
+        assert runner.spec_rows == 0
+        return
+    assert runner.spec_rows > 0
+    plain = SOLO_BY_MODE.get(False)
+    if plain is not None:
+        assert [c.token_ids for c in solo] == [c.token_ids for c in plain]
 
 
 def test_solo_answers_are_sane(solo: list[Completion]) -> None:

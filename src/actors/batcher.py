@@ -152,6 +152,9 @@ class Batcher(Actor[BatcherMessage]):
                 slot.tell(StepFailed(slot.epoch, f"model step failed: {exc}"))
                 self.awaiting.add(w.slot_id)
             return
+        if self.runner.speculate and out.sampled:
+            # queued ahead of the next step: the GPU runs it while the slots take their tokens
+            self.mlx.submit(lambda: self.runner.speculate_next(work, out))
         for w in work:
             self.slots[w.slot_id].tell(StepDone(w.epoch, len(w.tokens), out.sampled.get(w.slot_id)))
             self.awaiting.add(w.slot_id)

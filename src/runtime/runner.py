@@ -1,4 +1,16 @@
-"""Runs one fused step (all slots' rows through one forward) on the MLX thread."""
+"""Runs one fused step (all slots' rows through one forward) on the MLX thread.
+
+On a GPU the runner also *speculates*: as soon as a step's tokens are sampled, it
+queues the forward of the next decode step (every decoding row fed the token it
+just sampled) so the GPU computes it while the event loop hands the tokens to the
+slots and the batcher plans. When the real plan comes, rows that match the
+speculation (same slot KV, position and token) take its logits; the rest (new
+prompts, changed rows) run in a forward of their own. Sampling always happens with
+the real plan (the slots' sampler state is final by then). A row's logits do not
+depend on its batch (the invariance rules), so the outputs are the same bits either
+way; a speculated row the plan drops (the slot finished) only wrote K/V past its
+ledger, which positions are masked and rewritten before anyone reads them.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +19,14 @@ from dataclasses import dataclass, field
 from math import inf
 
 import mlx.core as mx
+import structlog
 
 from slotserve.kernels.grammar import Matcher, apply_masks
 from slotserve.kernels.sampling import RowState, SamplingParams, sample_rows
 from slotserve.model.kv import SlotKV
 from slotserve.model.layers import Batch
+
+log = structlog.get_logger("slotserve.runner")
 
 
 @dataclass
@@ -40,6 +55,14 @@ class Sampled:
 
 
 @dataclass
+class Speculation:
+    """The queued forward of a next decode step: slot id -> (kv, position, token)."""
+
+    rows: dict[int, tuple[SlotKV, int, int]]
+    logits: mx.array  # [len(rows), vocab], rows in the order of `rows`
+
+
+@dataclass
 class StepOutput:
     sampled: dict[int, Sampled] = field(default_factory=dict)
     rows: int = 0
@@ -49,25 +72,56 @@ class StepOutput:
 class ModelRunner:
     """Owns the model; every method here runs on the MLX thread."""
 
-    def __init__(self, model: object) -> None:
+    def __init__(self, model: object, speculate: bool = False) -> None:
         self.model = model
+        self.speculate = speculate
+        self._spec: Speculation | None = None
+        self.spec_rows = 0  # rows whose logits came from a speculation (stats, tests)
+
+    def _forward(self, parts: list[tuple[SlotKV, int, list[int], bool]]
+                 ) -> tuple[mx.array | None, list[mx.array]]:
+        """Queue the forward of (kv, start, tokens, sample) parts; logits of the sampling
+        parts' last rows, in order, and the pool arrays the step writes."""
+        batch = Batch.build([(kv, start, len(tokens)) for kv, start, tokens, _ in parts])
+        tokens_in = mx.array([t for _, _, tokens, _ in parts for t in tokens], dtype=mx.int32)
+        logit_rows: list[int] = []
+        row = 0
+        for _, _, tokens, sample in parts:
+            row += len(tokens)
+            if sample:
+                logit_rows.append(row - 1)
+        logits = self.model(tokens_in, batch, logit_rows)  # type: ignore[operator]
+        pool = batch.pool
+        return logits, ([*pool.keys, *pool.values] if pool is not None else [])
 
     def step(self, work: list[RowWork]) -> StepOutput:
         t0 = time.perf_counter()
-        batch = Batch.build([(w.kv, w.start, len(w.tokens)) for w in work])
-        tokens = mx.array([t for w in work for t in w.tokens], dtype=mx.int32)
-        logit_rows: list[int] = []
-        sampled_work: list[RowWork] = []
-        row = 0
+        spec, self._spec = self._spec, None
+        spec_index = {sid: i for i, sid in enumerate(spec.rows)} if spec is not None else {}
+        fresh: list[RowWork] = []
+        from_spec: dict[int, int] = {}  # slot id -> row of spec.logits
         for w in work:
-            row += len(w.tokens)
-            if w.sample:
-                logit_rows.append(row - 1)
-                sampled_work.append(w)
-        logits = self.model(tokens, batch, logit_rows)  # type: ignore[operator]
-        pool = batch.pool
-        kv_arrays = [*pool.keys, *pool.values] if pool is not None else []
-        out = StepOutput(rows=row)
+            hit = spec.rows.get(w.slot_id) if spec is not None else None
+            if (hit is not None and w.sample and len(w.tokens) == 1 and hit[0] is w.kv
+                    and hit[1:] == (w.start, w.tokens[0])):
+                from_spec[w.slot_id] = spec_index[w.slot_id]
+                continue
+            fresh.append(w)
+        logits, kv_arrays = (self._forward([(w.kv, w.start, w.tokens, w.sample) for w in fresh])
+                             if fresh else (None, []))
+        sampled_work = [w for w in work if w.sample]
+        if from_spec:
+            assert spec is not None
+            self.spec_rows += len(from_spec)
+            fresh_rows = iter(range(spec.logits.shape[0],
+                                    spec.logits.shape[0] + len(sampled_work) - len(from_spec)))
+            order = [from_spec[w.slot_id] if w.slot_id in from_spec else next(fresh_rows)
+                     for w in sampled_work]
+            both = spec.logits if logits is None else mx.concatenate([spec.logits, logits])
+            logits = both[mx.array(order, dtype=mx.int32)]
+            pool = work[0].kv.pool
+            kv_arrays = [*pool.keys, *pool.values]
+        out = StepOutput(rows=sum(len(w.tokens) for w in work))
         if logits is None:
             mx.eval(kv_arrays)
         else:
@@ -75,6 +129,31 @@ class ModelRunner:
             out.sampled = self._sample(logits, sampled_work)
         out.seconds = time.perf_counter() - t0
         return out
+
+    def speculate_next(self, work: list[RowWork], out: StepOutput) -> None:
+        """Queue the next decode step's forward for the rows that just sampled a token.
+
+        Only rows whose next position already has a page (no allocation on a guess);
+        any failure just means no speculation (the real step runs everything).
+        """
+        self._spec = None
+        rows: dict[int, tuple[SlotKV, int, int]] = {}
+        for w in work:
+            s = out.sampled.get(w.slot_id)
+            pos = w.start + len(w.tokens)
+            if s is not None and w.sample and pos < w.kv.capacity:
+                rows[w.slot_id] = (w.kv, pos, s.token)
+        if not rows:
+            return
+        try:
+            logits, kv_arrays = self._forward([(kv, pos, [tok], True)
+                                               for kv, pos, tok in rows.values()])
+            assert logits is not None
+            mx.async_eval(logits, *kv_arrays)
+        except Exception:  # a slot evicted under us: nothing to speculate on
+            log.debug("speculation skipped", exc_info=True)
+            return
+        self._spec = Speculation(rows, logits)
 
     @staticmethod
     def _sample(logits: mx.array, work: list[RowWork]) -> dict[int, Sampled]:
