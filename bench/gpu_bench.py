@@ -199,7 +199,9 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
              "bf16_gbps": round(w.nbytes / tb / GB, 1)}
         if packed is not None:  # slotserve's own 4-bit kernel on the same weights
             tk = _timed(lambda x=x: cuda.q4_matmul(x, *packed))
-            r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1))
+            tn = _timed(lambda x=x: cuda.q4_matmul(x, *packed, pipelined=False))
+            r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1),
+                     kernel_unpipelined_us=round(tn * 1e6, 1))
         out.append(r)
         emit({"micro_matmul": r})
     return out
@@ -360,6 +362,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sweep.append(r)
             emit({"sweep": r})
         report["sweep"] = sweep
+        report["speculated_rows"] = engine.batcher.runner.spec_rows if engine.batcher else 0
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []

@@ -104,13 +104,28 @@ _Q4_SOURCE = r"""
   const uint4* wv = reinterpret_cast<const uint4*>(wp);
   const uint4* sv = reinterpret_cast<const uint4*>(sp);
 
-#pragma unroll 2
-  for (int ch = c0; ch < c0 + per_warp; ++ch) {
-    uint4 wq[NT], sq[NT];
+  // PIPE: software pipeline, chunk ch+1's weights are in flight while chunk ch is
+  // multiplied (same arithmetic either way; the micro-benchmark times both)
+  uint4 wq[NT], sq[NT];
+  if (PIPE) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      wq[nt] = wv[((size_t)(tile0 + nt) * chunks + ch) * 32 + lane];
-      sq[nt] = sv[((size_t)(tile0 + nt) * chunks + ch) * 4 + t];
+      wq[nt] = wv[((size_t)(tile0 + nt) * chunks + c0) * 32 + lane];
+      sq[nt] = sv[((size_t)(tile0 + nt) * chunks + c0) * 4 + t];
+    }
+  }
+#pragma unroll 1
+  for (int ch = c0; ch < c0 + per_warp; ++ch) {
+    uint4 wn[NT], sn[NT];
+    const int nx = !PIPE ? ch : ch + 1 < c0 + per_warp ? ch + 1 : ch;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      wn[nt] = wv[((size_t)(tile0 + nt) * chunks + nx) * 32 + lane];
+      sn[nt] = sv[((size_t)(tile0 + nt) * chunks + nx) * 4 + t];
+      if (!PIPE) {
+        wq[nt] = wn[nt];
+        sq[nt] = sn[nt];
+      }
     }
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
@@ -169,6 +184,11 @@ _Q4_SOURCE = r"""
           a[3] = __fmaf_rn(sc1[nt], tmp[3], __fmaf_rn(bi1[nt], xs1, a[3]));
         }
       }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      wq[nt] = wn[nt];
+      sq[nt] = sn[nt];
     }
   }
 
@@ -396,8 +416,10 @@ def _k_split(chunks: int) -> int:
     return next(s for s in (8, 4, 2, 1) if chunks % s == 0)
 
 
-def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array) -> mx.array:
-    """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16."""
+def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, pipelined: bool = True) -> mx.array:
+    """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
+
+    pipelined=False loads each chunk's weights just before use (for the benchmark)."""
     m, k = x.shape
     n = wp.shape[0] * 8
     ksplit = _k_split(k // 128)
@@ -406,7 +428,7 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array) -> mx.array:
     nt = 4 if n % 32 == 0 and n >= 16384 and mt <= 4 else 2
     (y,) = _kernel("q4_matmul")(
         inputs=[x.astype(mx.bfloat16), wp, sp],
-        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit)],
+        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined)],
         grid=(n // (8 * nt) * 32 * ksplit, -(-m // (16 * mt)), 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n)],
