@@ -58,10 +58,10 @@ def memory_bandwidth(nbytes: int = 2**31, reps: int = 10) -> dict[str, float]:
 
 def _weights(model: Any) -> tuple[int, int]:
     """(bytes of every Linear read in a step, bytes of all MoE expert tensors)."""
-    from slotserve.kernels.invariance import _linears
+    from slotserve.kernels.invariance import linears
 
     dense = 0
-    for lin in _linears(model):
+    for lin in linears(model):
         if lin is model.embed.linear and model.lm_head is not lin:
             continue  # the embedding lookup reads only the rows of the step's tokens
         if lin.q is not None:
@@ -97,10 +97,10 @@ def linear_diagnostics(model: Any, max_rows: int = 256) -> dict[str, list[int]]:
     """Per distinct Linear shape: row counts whose rows differ from the max-row result."""
     import mlx.core as mx
 
-    from slotserve.kernels.invariance import _linears, _row_counts
+    from slotserve.kernels.invariance import _row_counts, linears
 
     seen: dict[tuple[int, ...], Any] = {}
-    for lin in _linears(model):
+    for lin in linears(model):
         shape = lin.q.shape if lin.q is not None else tuple(lin.w.shape)
         seen.setdefault(shape, lin)
     out: dict[str, list[int]] = {}
@@ -199,9 +199,16 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
              "bf16_gbps": round(w.nbytes / tb / GB, 1)}
         if packed is not None:  # slotserve's own 4-bit kernel on the same weights
             tk = _timed(lambda x=x: cuda.q4_matmul(x, *packed))
-            tn = _timed(lambda x=x: cuda.q4_matmul(x, *packed, pipelined=False))
-            r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1),
-                     kernel_unpipelined_us=round(tn * 1e6, 1))
+            r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1))
+            if m in (1, 64):  # launch shapes: (column tiles, pipelined, K-split warps)
+                r["kernel_variants_us"] = {
+                    f"nt{nt}-{'pipe' if pipe else 'plain'}-k{ks}": round(1e6 * _timed(
+                        lambda x=x, nt=nt, pipe=pipe, ks=ks: cuda.q4_matmul(
+                            x, *packed, nt=nt, pipelined=pipe, ksplit=ks)), 1)
+                    for nt, pipe, ks in ((1, True, 8), (2, True, 8), (4, True, 8),
+                                         (2, False, 8), (4, False, 8), (2, True, 4),
+                                         (4, True, 4))
+                    if n_out % (8 * nt) == 0 and n_in % (128 * ks) == 0}
         out.append(r)
         emit({"micro_matmul": r})
     return out
@@ -340,6 +347,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         dense, experts = engine.mlx.call(lambda: _weights(model))
         report["weights_gb"] = {"linear": round(dense / GB, 3), "experts": round(experts / GB, 3)}
         report["probe"] = vars(lm.invariance) if lm.invariance else None
+        report["q4_column_tiles"] = dict(cuda.last_tuning)
         emit({"load": report["load_s"], "probe": report["probe"],
               "weights_gb": report["weights_gb"]})
         report["memory"] = engine.mlx.call(memory_bandwidth)

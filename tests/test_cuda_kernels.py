@@ -40,7 +40,9 @@ def test_q4_matmul_rows_do_not_depend_on_row_count() -> None:
         packed, _ = _q4(n_out, 2048, 2)
         x = mx.random.normal((200, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
         full = cuda.q4_matmul(x, *packed)
-        assert mx.array_equal(cuda.q4_matmul(x, *packed, pipelined=False), full).item()
+        for nt, pipelined in ((1, True), (2, False), (4, True), (4, False)):
+            same = cuda.q4_matmul(x, *packed, nt=nt, pipelined=pipelined)
+            assert mx.array_equal(same, full).item(), (nt, pipelined)
         for m in (1, 2, 7, 8, 9, 15, 16, 31, 33, 64, 65, 128, 129):
             assert mx.array_equal(cuda.q4_matmul(x[:m], *packed), full[:m]).item(), m
             one = cuda.q4_matmul(x[m - 1 : m], *packed)[0]

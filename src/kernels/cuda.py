@@ -25,6 +25,7 @@ GPU (tests/test_cuda_kernels.py, marked gpu).
 from __future__ import annotations
 
 import os
+import time
 from functools import cache
 from typing import Any
 
@@ -60,6 +61,18 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u);
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
 
+// the 16 codes of one 64-wide group this thread holds (two words) as mma B fragments:
+// bq[2s], bq[2s+1] = k-slots (2t, 2t+1) and (2t+8, 2t+9) of step s
+__device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t* bq) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t word = s < 2 ? wlo : whi;
+    const int sh = 16 * (s & 1);
+    bq[2 * s] = q4_pair(word, sh);
+    bq[2 * s + 1] = q4_pair(word, sh + 8);
+  }
+}
+
 // sum of the 16 bf16 values in two uint4, in a fixed order
 __device__ __forceinline__ float sum16(uint4 a, uint4 b) {
   uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
@@ -67,6 +80,51 @@ __device__ __forceinline__ float sum16(uint4 a, uint4 b) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) s = (s + bf_lo(w[i])) + bf_hi(w[i]);
   return s;
+}
+
+// rows r0 = row and r1 = row + 8 of x, k = 64*gi + 16t .. +15, as mma A fragments (zeros
+// past M), and each row's sum over the whole group (this thread's 16, then its quad)
+__device__ __forceinline__ void load_x(const __nv_bfloat16* x, int M, int K, int row, int gi,
+                                       int t, uint32_t* A0, uint32_t* A1, float& xs0,
+                                       float& xs1) {
+  uint4 a0 = make_uint4(0, 0, 0, 0), a1 = a0, b0 = a0, b1 = a0;
+  if (row < M) {
+    const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)row * K + gi * 64 + 16 * t);
+    a0 = p[0];
+    a1 = p[1];
+  }
+  if (row + 8 < M) {
+    const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)(row + 8) * K + gi * 64 + 16 * t);
+    b0 = p[0];
+    b1 = p[1];
+  }
+  A0[0] = a0.x; A0[1] = a0.y; A0[2] = a0.z; A0[3] = a0.w;
+  A0[4] = a1.x; A0[5] = a1.y; A0[6] = a1.z; A0[7] = a1.w;
+  A1[0] = b0.x; A1[1] = b0.y; A1[2] = b0.z; A1[3] = b0.w;
+  A1[4] = b1.x; A1[5] = b1.y; A1[6] = b1.z; A1[7] = b1.w;
+  xs0 = sum16(a0, a1);
+  xs1 = sum16(b0, b1);
+  xs0 += __shfl_xor_sync(0xffffffffu, xs0, 1);
+  xs0 += __shfl_xor_sync(0xffffffffu, xs0, 2);
+  xs1 += __shfl_xor_sync(0xffffffffu, xs1, 1);
+  xs1 += __shfl_xor_sync(0xffffffffu, xs1, 2);
+}
+
+// one 64-wide group of one 16-row x 8-column tile: the four mma steps on the raw codes,
+// then acc += scale * (x . q) + bias * sum(x) for columns 2t, 2t+1 of rows g, g+8.
+// sb0 / sb1: (scale, bias) bf16 pairs of columns 2t and 2t+1.
+__device__ __forceinline__ void group_mma(float* a, const uint32_t* A0, const uint32_t* A1,
+                                          const uint32_t* bq, uint32_t sb0, uint32_t sb1,
+                                          float xs0, float xs1) {
+  float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+    mma_bf16(tmp, A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1], bq[2 * s], bq[2 * s + 1]);
+  const float s0 = bf_lo(sb0), b0 = bf_hi(sb0), s1 = bf_lo(sb1), b1 = bf_hi(sb1);
+  a[0] = __fmaf_rn(s0, tmp[0], __fmaf_rn(b0, xs0, a[0]));
+  a[1] = __fmaf_rn(s1, tmp[1], __fmaf_rn(b1, xs0, a[1]));
+  a[2] = __fmaf_rn(s0, tmp[2], __fmaf_rn(b0, xs1, a[2]));
+  a[3] = __fmaf_rn(s1, tmp[3], __fmaf_rn(b1, xs1, a[3]));
 }
 """
 
@@ -130,58 +188,32 @@ _Q4_SOURCE = r"""
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       const int gi = 2 * ch + par;
-      uint32_t bq[NT][8];
-      float sc0[NT], bi0[NT], sc1[NT], bi1[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint32_t wlo = par ? wq[nt].z : wq[nt].x;
-        const uint32_t whi = par ? wq[nt].w : wq[nt].y;
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint32_t word = s < 2 ? wlo : whi;
-          const int sh = 16 * (s & 1);
-          bq[nt][2 * s] = q4_pair(word, sh);
-          bq[nt][2 * s + 1] = q4_pair(word, sh + 8);
-        }
-        const uint32_t p0 = par ? sq[nt].z : sq[nt].x;  // column 2t
-        const uint32_t p1 = par ? sq[nt].w : sq[nt].y;  // column 2t + 1
-        sc0[nt] = bf_lo(p0); bi0[nt] = bf_hi(p0); sc1[nt] = bf_lo(p1); bi1[nt] = bf_hi(p1);
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (mt >= mt_live) break;
-        const int r0 = m_base + mt * 16 + g, r1 = r0 + 8;
-        uint4 xa0 = make_uint4(0, 0, 0, 0), xa1 = xa0, xb0 = xa0, xb1 = xa0;
-        if (r0 < M) {
-          const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r0 * K + gi * 64 + 16 * t);
-          xa0 = p[0];
-          xa1 = p[1];
-        }
-        if (r1 < M) {
-          const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)r1 * K + gi * 64 + 16 * t);
-          xb0 = p[0];
-          xb1 = p[1];
-        }
-        const uint32_t A0[8] = {xa0.x, xa0.y, xa0.z, xa0.w, xa1.x, xa1.y, xa1.z, xa1.w};
-        const uint32_t A1[8] = {xb0.x, xb0.y, xb0.z, xb0.w, xb1.x, xb1.y, xb1.z, xb1.w};
-        // sum of x over the group for rows r0 and r1: this thread's 16, then its quad
-        float xs0 = sum16(xa0, xa1), xs1 = sum16(xb0, xb1);
-        xs0 += __shfl_xor_sync(0xffffffffu, xs0, 1);
-        xs0 += __shfl_xor_sync(0xffffffffu, xs0, 2);
-        xs1 += __shfl_xor_sync(0xffffffffu, xs1, 1);
-        xs1 += __shfl_xor_sync(0xffffffffu, xs1, 2);
+      if (MT == 1) {  // one row tile: dequantize each column tile right before its mma
+        uint32_t A0[8], A1[8];
+        float xs0, xs1;
+        load_x(x, M, K, m_base + g, gi, t, A0, A1, xs0, xs1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          uint32_t bq[8];
+          dequant8(par ? wq[nt].z : wq[nt].x, par ? wq[nt].w : wq[nt].y, bq);
+          group_mma(acc[0][nt], A0, A1, bq, par ? sq[nt].z : sq[nt].x,
+                    par ? sq[nt].w : sq[nt].y, xs0, xs1);
+        }
+      } else {  // several row tiles: dequantize once, reuse for every row tile
+        uint32_t bq[NT][8];
 #pragma unroll
-          for (int s = 0; s < 4; ++s)
-            mma_bf16(tmp, A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1],
-                     bq[nt][2 * s], bq[nt][2 * s + 1]);
-          float* a = acc[mt][nt];
-          a[0] = __fmaf_rn(sc0[nt], tmp[0], __fmaf_rn(bi0[nt], xs0, a[0]));
-          a[1] = __fmaf_rn(sc1[nt], tmp[1], __fmaf_rn(bi1[nt], xs0, a[1]));
-          a[2] = __fmaf_rn(sc0[nt], tmp[2], __fmaf_rn(bi0[nt], xs1, a[2]));
-          a[3] = __fmaf_rn(sc1[nt], tmp[3], __fmaf_rn(bi1[nt], xs1, a[3]));
+        for (int nt = 0; nt < NT; ++nt)
+          dequant8(par ? wq[nt].z : wq[nt].x, par ? wq[nt].w : wq[nt].y, bq[nt]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (mt >= mt_live) break;
+          uint32_t A0[8], A1[8];
+          float xs0, xs1;
+          load_x(x, M, K, m_base + mt * 16 + g, gi, t, A0, A1, xs0, xs1);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            group_mma(acc[mt][nt], A0, A1, bq[nt], par ? sq[nt].z : sq[nt].x,
+                      par ? sq[nt].w : sq[nt].y, xs0, xs1);
         }
       }
     }
@@ -416,16 +448,61 @@ def _k_split(chunks: int) -> int:
     return next(s for s in (8, 4, 2, 1) if chunks % s == 0)
 
 
-def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, pipelined: bool = True) -> mx.array:
+def _row_tiles(m: int) -> int:
+    """Row tiles of 16 per block (MT) for m rows."""
+    return 1 if m <= 16 else 2 if m <= 32 else 4 if m <= 64 else 8
+
+
+def _column_tile_choices(n: int, mt: int) -> list[int]:
+    """Column tiles of 8 per block (NT) that fit n and the accumulator registers."""
+    return [nt for nt in (1, 2, 4) if n % (8 * nt) == 0 and mt * nt <= 16]
+
+
+# (N, K, MT) -> NT found fastest by tune_q4 on this GPU (any NT gives the same bits)
+_tuned_nt: dict[tuple[int, int, int], int] = {}
+last_tuning: dict[str, int] = {}  # tune_q4's latest choices, for the benchmark report
+
+
+def tune_q4(weights: list[tuple[mx.array, mx.array]], reps: int = 10) -> dict[str, int]:
+    """Time each column-tile width per weight shape and row tile; keep the fastest.
+
+    Launch shape only: every width computes every element the same way, so tuning can
+    never change a token. Returns {"NxK/rows": NT} for the logs and the benchmark.
+    """
+    shapes: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}
+    for wp, sp in weights:
+        shapes.setdefault((wp.shape[0] * 8, wp.shape[1] * 128), (wp, sp))
+    chosen: dict[str, int] = {}
+    for (n, k), (wp, sp) in shapes.items():
+        for mt in (1, 2, 4, 8):
+            x = mx.random.normal((16 * mt, k), key=mx.random.key(mt)).astype(mx.bfloat16)
+            times: dict[int, float] = {}
+            for nt in _column_tile_choices(n, mt):
+                mx.eval(q4_matmul(x, wp, sp, nt=nt))  # compile + warm
+                t0 = time.perf_counter()
+                mx.eval([q4_matmul(x, wp, sp, nt=nt) for _ in range(reps)])
+                times[nt] = time.perf_counter() - t0
+            best = min(times, key=lambda nt: times[nt])
+            _tuned_nt[(n, k, mt)] = best
+            chosen[f"{n}x{k}/{16 * mt}"] = best
+    last_tuning.update(chosen)
+    return chosen
+
+
+def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
+              pipelined: bool = True, ksplit: int | None = None) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
-    pipelined=False loads each chunk's weights just before use (for the benchmark)."""
+    nt (column tiles per block) and pipelined change only the speed, never the bits;
+    ksplit changes the summation order and is for the micro-benchmark only (the engine
+    keeps the one derived from K, which is what makes rows batch-invariant).
+    """
     m, k = x.shape
     n = wp.shape[0] * 8
-    ksplit = _k_split(k // 128)
-    mt = 1 if m <= 16 else 2 if m <= 32 else 4 if m <= 64 else 8
-    # columns per block: wide for big N at few rows; MT x NT bounds the accumulators
-    nt = 4 if n % 32 == 0 and n >= 16384 and mt <= 4 else 2
+    ksplit = ksplit or _k_split(k // 128)
+    mt = _row_tiles(m)
+    if nt is None:  # tuned for this GPU, else wide blocks for big N at few rows
+        nt = _tuned_nt.get((n, k, mt)) or (4 if n % 32 == 0 and n >= 16384 and mt <= 4 else 2)
     (y,) = _kernel("q4_matmul")(
         inputs=[x.astype(mx.bfloat16), wp, sp],
         template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined)],

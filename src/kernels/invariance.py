@@ -128,7 +128,7 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
 
     cfg = model.config
     seen: dict[tuple[int, ...], Any] = {}
-    for lin in _linears(model):
+    for lin in linears(model):
         shape = lin.q.shape if lin.q is not None else tuple(lin.w.shape)
         seen.setdefault(shape, lin)
     failures: list[str] = []
@@ -160,7 +160,7 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
     return report
 
 
-def _linears(model: Any) -> list[Any]:
+def linears(model: Any) -> list[Any]:
     from slotserve.model.layers import Linear
 
     found: list[Any] = []
