@@ -80,14 +80,20 @@ class Batch:
     cuda: tuple[mx.array, mx.array, mx.array] | None = None  # GPU kernel: RowTables on device
 
     @staticmethod
-    def build(parts: list[tuple[SlotKV, int, int]]) -> Batch:
-        """Reserve KV pages for every segment and precompute all pool indices."""
+    def build(parts: list[tuple[SlotKV, int, int]], reserve: bool = True) -> Batch:
+        """Reserve KV pages for every segment and precompute all pool indices.
+
+        reserve=False (a speculated step): never take pages; fail if a segment lacks them.
+        """
         segs: list[Segment] = []
         pos: list[int] = []
         writes: list[np.ndarray] = []
         row = 0
         for kv, start, length in parts:
-            kv.reserve(start + length)
+            if reserve:
+                kv.reserve(start + length)
+            elif start + length > kv.capacity:
+                raise ValueError("no KV page for a speculated row")
             segs.append(Segment(kv, start, length, row))
             pos.extend(range(start, start + length))
             writes.append(kv.rows_for(start, start + length))

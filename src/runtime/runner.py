@@ -78,11 +78,12 @@ class ModelRunner:
         self._spec: Speculation | None = None
         self.spec_rows = 0  # rows whose logits came from a speculation (stats, tests)
 
-    def _forward(self, parts: list[tuple[SlotKV, int, list[int], bool]]
+    def _forward(self, parts: list[tuple[SlotKV, int, list[int], bool]], reserve: bool = True
                  ) -> tuple[mx.array | None, list[mx.array]]:
         """Queue the forward of (kv, start, tokens, sample) parts; logits of the sampling
         parts' last rows, in order, and the pool arrays the step writes."""
-        batch = Batch.build([(kv, start, len(tokens)) for kv, start, tokens, _ in parts])
+        batch = Batch.build([(kv, start, len(tokens)) for kv, start, tokens, _ in parts],
+                            reserve=reserve)
         tokens_in = mx.array([t for _, _, tokens, _ in parts for t in tokens], dtype=mx.int32)
         logit_rows: list[int] = []
         row = 0
@@ -147,7 +148,7 @@ class ModelRunner:
             return
         try:
             logits, kv_arrays = self._forward([(kv, pos, [tok], True)
-                                               for kv, pos, tok in rows.values()])
+                                               for kv, pos, tok in rows.values()], reserve=False)
             assert logits is not None
             mx.async_eval(logits, *kv_arrays)
         except Exception:  # a slot evicted under us: nothing to speculate on
