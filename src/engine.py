@@ -53,9 +53,10 @@ class EngineConfig:
     max_parked: int | None = None  # conversations kept beyond the slots; None: max_slots
     default_max_tokens: int | None = None  # None: up to the context length
     shutdown_deadline: float = 30.0
-    # queue the next decode step while the slots take their tokens (runtime.runner);
-    # None: on for the GPU, off for the CPU (there the cores are busy either way)
-    speculate: bool | None = None
+    # queue the next decode step while the slots take their tokens (runtime.runner). Off by
+    # default: on the H200 it measured within run-to-run noise of off, on the CPU 0-9 %
+    # slower (docs/benchmarks.md)
+    speculate: bool = False
 
 
 @dataclass
@@ -107,8 +108,7 @@ class Engine:
         )
         lm = self.loaded
         self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
-        speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
-        runner = ModelRunner(lm.model, speculate=speculate)
+        runner = ModelRunner(lm.model, speculate=cfg.speculate)
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)

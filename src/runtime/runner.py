@@ -1,15 +1,16 @@
 """Runs one fused step (all slots' rows through one forward) on the MLX thread.
 
-On a GPU the runner also *speculates*: as soon as a step's tokens are sampled, it
-queues the forward of the next decode step (every decoding row fed the token it
-just sampled) so the GPU computes it while the event loop hands the tokens to the
-slots and the batcher plans. When the real plan comes, rows that match the
-speculation (same slot KV, position and token) take its logits; the rest (new
-prompts, changed rows) run in a forward of their own. Sampling always happens with
-the real plan (the slots' sampler state is final by then). A row's logits do not
-depend on its batch (the invariance rules), so the outputs are the same bits either
-way; a speculated row the plan drops (the slot finished) only wrote K/V past its
-ledger, which positions are masked and rewritten before anyone reads them.
+With `speculate` on (EngineConfig.speculate; off by default: on the H200 it measured within
+run-to-run noise of off, see docs/benchmarks.md) the runner queues the next decode step's
+forward as soon as a step's tokens are sampled (every decoding row fed the token it just
+sampled), so the device computes it while the event loop hands the tokens to the slots
+and the batcher plans. When the real plan comes, rows that match the speculation (same
+slot KV, position and token) take its logits; the rest (new prompts, changed rows) run in
+a forward of their own. Sampling always happens with the real plan (the slots' sampler
+state is final by then). A row's logits do not depend on its batch (the invariance
+rules), so the outputs are the same bits either way; a speculated row the plan drops (the
+slot finished) only wrote K/V past its ledger, which positions are masked and rewritten
+before anyone reads them.
 """
 
 from __future__ import annotations
