@@ -9,6 +9,8 @@ ready) and drains when serving stops.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import time
 from typing import Any
@@ -26,6 +28,22 @@ from slotserve.engine import EngineConfig
 log = structlog.get_logger("slotserve.api")
 
 OPEN_PATHS = frozenset({"/health"})
+
+
+DRAIN_SECONDS = 10.0  # how long a refused upload may take to finish before we answer anyway
+
+
+async def drain_refused_body() -> None:
+    """Wait until the client has sent the body we refused (Quart discards it as it comes).
+
+    Answering 413 while the client is still uploading makes the server close a connection
+    with unread data, and the client sees a reset instead of our JSON error. Quart keeps
+    no public handle on "the body has ended", hence its private event (quart 0.22, pinned).
+    """
+    ended = getattr(request.body, "_complete", None)
+    if isinstance(ended, asyncio.Event):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ended.wait(), DRAIN_SECONDS)
 
 
 def create_app(engine_config: EngineConfig | None = None, api_key: str | None = None, *,
@@ -94,6 +112,8 @@ def create_app(engine_config: EngineConfig | None = None, api_key: str | None = 
                    413: f"request body larger than {max_body_bytes} bytes"}.get(
                        status, exc.description or exc.name)
         headers = {k: v for k, v in exc.get_headers() if k.lower() == "allow"}
+        if status == 413:
+            await drain_refused_body()
         if anthropic.is_anthropic_path(request.path):
             return anthropic.error_response(status, message, headers)
         return json_response(error_body(message, type=kind, code=code), status, headers)
