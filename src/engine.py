@@ -53,10 +53,10 @@ class EngineConfig:
     max_parked: int | None = None  # conversations kept beyond the slots; None: max_slots
     default_max_tokens: int | None = None  # None: up to the context length
     shutdown_deadline: float = 30.0
-    # queue the next decode step while the slots take their tokens (runtime.runner). Off by
-    # default: on the H200 it measured within run-to-run noise of off, on the CPU 0-9 %
-    # slower (docs/benchmarks.md)
-    speculate: bool = False
+    # pipeline the decode steps: queue the next step on the lazy tokens of this one
+    # (runtime.runner). None: on for a GPU, where Python builds the next graph while the
+    # device computes; off for the CPU, whose own kernels run eagerly (nothing to overlap)
+    speculate: bool | None = None
 
 
 @dataclass
@@ -108,7 +108,8 @@ class Engine:
         )
         lm = self.loaded
         self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
-        runner = ModelRunner(lm.model, speculate=cfg.speculate)
+        speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
+        runner = ModelRunner(lm.model, speculate=speculate)
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)

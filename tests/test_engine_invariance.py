@@ -58,14 +58,14 @@ def solo(harness: EngineHarness) -> list[Completion]:
     for i in range(len(QUESTIONS)):
         harness.engine.drop_retained()
         out.append(chat(harness, i))
-    SOLO_BY_MODE[harness.engine.config.speculate] = out
+    SOLO_BY_MODE[harness.engine.batcher.runner.speculate] = out  # type: ignore[union-attr]
     return out
 
 
 def test_speculation_changes_nothing(harness: EngineHarness, solo: list[Completion]) -> None:
     """Speculating runs take logits from the queued step and give the same tokens."""
     runner = harness.engine.batcher.runner  # type: ignore[union-attr]
-    if not harness.engine.config.speculate:
+    if not runner.speculate:
         assert runner.spec_rows == 0
         return
     assert runner.spec_rows > 0

@@ -149,15 +149,13 @@ class Batcher(Actor[BatcherMessage]):
             log.exception("step failed", rows=sum(len(w.tokens) for w in work))
             for w in work:
                 slot = self.slots[w.slot_id]
-                slot.tell(StepFailed(slot.epoch, f"model step failed: {exc}"))
                 self.awaiting.add(w.slot_id)
+                slot.step_result(StepFailed(slot.epoch, f"model step failed: {exc}"))
             return
-        if self.runner.speculate and out.sampled:
-            # queued ahead of the next step: the GPU runs it while the slots take their tokens
-            self.mlx.submit(lambda: self.runner.speculate_next(work, out))
         for w in work:
-            self.slots[w.slot_id].tell(StepDone(w.epoch, len(w.tokens), out.sampled.get(w.slot_id)))
             self.awaiting.add(w.slot_id)
+            self.slots[w.slot_id].step_result(
+                StepDone(w.epoch, len(w.tokens), out.sampled.get(w.slot_id)))
         tick = time.perf_counter() - t0
         st = self.stats
         st.steps += 1

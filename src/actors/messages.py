@@ -91,7 +91,8 @@ class Resume:
     epoch: int
 
 
-SlotMessage = Assign | StepDone | StepFailed | Cancel | Resume
+SlotMessage = Assign | Cancel | Resume
+StepResult = StepDone | StepFailed  # handed to Slot.step_result by the Batcher, in one pass
 
 
 # ---- Batcher mailbox ------------------------------------------------------------

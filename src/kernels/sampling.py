@@ -45,9 +45,11 @@ import numpy as np
 __all__ = [
     "MAX_TOP_LOGPROBS",
     "RowState",
+    "SampleDraft",
     "SampleResult",
     "SamplingParams",
     "apply_penalties",
+    "draft_rows",
     "sample_rows",
     "uniform_for",
 ]
@@ -406,13 +408,68 @@ def sample_rows(
     not modified: call ``states[i].observe(token)`` once the token is committed.
     ``top_logprobs`` (<= 20) implies ``logprobs``.
     """
+    return draft_rows(logits, params, states, positions).result(
+        logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+@dataclass
+class SampleDraft:
+    """A step's tokens as a lazy array, before anything waits for the device.
+
+    The runner can queue work that consumes ``tokens`` (the next decode step's forward)
+    before ``result`` blocks on them.
+    """
+
+    tokens: mx.array  # int32 [N], lazy
+    z: mx.array  # the processed logits, float32 [N, V]
+    row_max: mx.array | None
+
+    def result(self, *, logprobs: bool = False, top_logprobs: int = 0) -> SampleResult:
+        """Wait for the tokens (and logprobs if asked) and return them as Python values."""
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        mx.eval(self.tokens)
+        tokens = np.array(self.tokens)
+        result = SampleResult(tokens=tokens.tolist())
+        if not (logprobs or top_logprobs):
+            return result
+        z = self.z
+        row_max = self.row_max if self.row_max is not None else mx.max(z, axis=-1)
+        vocab = z.shape[1]
+        shifted = z - row_max[:, None]
+        lse = mx.log(mx.sum(mx.power(2.0, shifted * _LOG2E), axis=-1, keepdims=True))
+        picked = mx.take_along_axis(shifted, self.tokens[:, None], -1) - lse
+        outs = [picked]
+        top_n = min(top_logprobs, vocab)
+        if top_n:
+            top_ids = mx.argpartition(-z, top_n - 1, axis=-1)[:, :top_n]
+            outs += [top_ids, mx.take_along_axis(shifted, top_ids, -1) - lse]
+        mx.eval(*outs)
+        result.logprobs = np.array(picked)[:, 0].astype(float).tolist()
+        if top_n:
+            ids_np, vals_np = np.array(outs[1]), np.array(outs[2])
+            result.top_logprobs = []
+            for ids_row, vals_row in zip(ids_np, vals_np, strict=True):
+                order = np.lexsort((ids_row, -vals_row))
+                result.top_logprobs.append(
+                    [(int(ids_row[j]), float(vals_row[j])) for j in order]
+                )
+        return result
+
+
+def draft_rows(
+    logits: mx.array,
+    params: Sequence[SamplingParams],
+    states: Sequence[RowState],
+    positions: Sequence[int] | None = None,
+) -> SampleDraft:
+    """Build (lazily) one token per row of ``logits``; see ``sample_rows``."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [N, V], got shape {logits.shape}")
-    n, vocab = logits.shape
+    n, _ = logits.shape
     if not (len(params) == len(states) == n):
         raise ValueError(f"got {n} rows, {len(params)} params and {len(states)} states")
-    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     if positions is None:
         positions = [s.num_generated for s in states]
     z = logits.astype(mx.float32)
@@ -420,44 +477,20 @@ def sample_rows(
         z = apply_penalties(z, states)
 
     greedy = np.array([p.greedy for p in params], bool)
-    arg = mx.argmax(z, axis=-1) if greedy.any() else None
-    row_max = mx.max(z, axis=-1) if (not greedy.all() or logprobs or top_logprobs) else None
-    drawn = None
-    if not greedy.all():
-        rows = np.nonzero(~greedy)[0]
-        uniforms = np.array([uniform_for(states[i].seed, positions[i]) for i in rows])
-        if len(rows) == n:
-            zs, ms = z, row_max
-        else:
-            sel = mx.array(rows.astype(np.int32))
-            zs, ms = mx.take(z, sel, axis=0), mx.take(row_max, sel, axis=0)
-        drawn = _draw(zs, ms, [params[i] for i in rows], uniforms)
-    mx.eval(*[a for a in (arg, drawn) if a is not None])
-    tokens = np.zeros(n, np.int64)
-    if arg is not None:
-        tokens[greedy] = np.array(arg)[greedy]
-    if drawn is not None:
-        tokens[~greedy] = np.array(drawn)
-    result = SampleResult(tokens=tokens.tolist())
-    if not (logprobs or top_logprobs):
-        return result
-
-    shifted = z - row_max[:, None]
-    lse = mx.log(mx.sum(mx.power(2.0, shifted * _LOG2E), axis=-1, keepdims=True))
-    picked = mx.take_along_axis(shifted, mx.array(tokens.astype(np.int32))[:, None], -1) - lse
-    outs = [picked]
-    top_n = min(top_logprobs, vocab)
-    if top_n:
-        top_ids = mx.argpartition(-z, top_n - 1, axis=-1)[:, :top_n]
-        outs += [top_ids, mx.take_along_axis(shifted, top_ids, -1) - lse]
-    mx.eval(*outs)
-    result.logprobs = np.array(picked)[:, 0].astype(float).tolist()
-    if top_n:
-        ids_np, vals_np = np.array(outs[1]), np.array(outs[2])
-        result.top_logprobs = []
-        for ids_row, vals_row in zip(ids_np, vals_np, strict=True):
-            order = np.lexsort((ids_row, -vals_row))
-            result.top_logprobs.append(
-                [(int(ids_row[j]), float(vals_row[j])) for j in order]
-            )
-    return result
+    arg = mx.argmax(z, axis=-1).astype(mx.int32) if greedy.any() else None
+    row_max = mx.max(z, axis=-1) if not greedy.all() else None
+    if arg is not None and greedy.all():
+        return SampleDraft(arg, z, row_max)
+    rows = np.nonzero(~greedy)[0]
+    uniforms = np.array([uniform_for(states[i].seed, positions[i]) for i in rows])
+    assert row_max is not None
+    if len(rows) == n:
+        return SampleDraft(_draw(z, row_max, list(params), uniforms).astype(mx.int32), z,
+                           row_max)
+    sel = mx.array(rows.astype(np.int32))
+    zs, ms = mx.take(z, sel, axis=0), mx.take(row_max, sel, axis=0)
+    drawn = _draw(zs, ms, [params[i] for i in rows], uniforms).astype(mx.int32)
+    assert arg is not None
+    # put each drawn token at its row; greedy rows keep their argmax
+    scattered = mx.zeros((n,), mx.int32).at[sel].add(drawn)
+    return SampleDraft(mx.where(mx.array(greedy), arg, scattered), z, row_max)

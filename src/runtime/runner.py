@@ -1,16 +1,17 @@
 """Runs one fused step (all slots' rows through one forward) on the MLX thread.
 
-With `speculate` on (EngineConfig.speculate; off by default: on the H200 it measured within
-run-to-run noise of off, see docs/benchmarks.md) the runner queues the next decode step's
-forward as soon as a step's tokens are sampled (every decoding row fed the token it just
-sampled), so the device computes it while the event loop hands the tokens to the slots
-and the batcher plans. When the real plan comes, rows that match the speculation (same
-slot KV, position and token) take its logits; the rest (new prompts, changed rows) run in
-a forward of their own. Sampling always happens with the real plan (the slots' sampler
-state is final by then). A row's logits do not depend on its batch (the invariance
-rules), so the outputs are the same bits either way; a speculated row the plan drops (the
-slot finished) only wrote K/V past its ledger, which positions are masked and rewritten
-before anyone reads them.
+With `speculate` on (EngineConfig.speculate; the default on a GPU) the steps are
+pipelined: as soon as a step's tokens exist as a lazy array, before anything waits for
+the device, the runner queues the next decode step's forward on top of them (every
+decoding row fed the token it is sampling). Python then builds that graph while the
+device still computes the current step, and the device goes on to the next step while
+the event loop hands out tokens and the batcher plans. When the real plan comes, rows
+that match the speculation (same slot KV, position and token) take its logits; the rest
+(new prompts, changed rows) run in a forward of their own. Sampling always happens with
+the real plan (the slots' sampler state is final by then). A row's logits do not depend
+on its batch (the invariance rules), so the outputs are the same bits either way; a
+speculated row the plan drops (the slot finished) only wrote K/V past its ledger, which
+positions are masked and rewritten before anyone reads them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import mlx.core as mx
 import structlog
 
 from slotserve.kernels.grammar import Matcher, apply_masks
-from slotserve.kernels.sampling import RowState, SamplingParams, sample_rows
+from slotserve.kernels.sampling import RowState, SamplingParams, draft_rows
 from slotserve.model.kv import SlotKV
 from slotserve.model.layers import Batch
 
@@ -79,17 +80,16 @@ class ModelRunner:
         self._spec: Speculation | None = None
         self.spec_rows = 0  # rows whose logits came from a speculation (stats, tests)
 
-    def _forward(self, parts: list[tuple[SlotKV, int, list[int], bool]], reserve: bool = True
-                 ) -> tuple[mx.array | None, list[mx.array]]:
-        """Queue the forward of (kv, start, tokens, sample) parts; logits of the sampling
-        parts' last rows, in order, and the pool arrays the step writes."""
-        batch = Batch.build([(kv, start, len(tokens)) for kv, start, tokens, _ in parts],
+    def _forward(self, parts: list[tuple[SlotKV, int, int, bool]], tokens_in: mx.array,
+                 reserve: bool = True) -> tuple[mx.array | None, list[mx.array]]:
+        """Queue the forward of (kv, start, length, sample) parts fed `tokens_in`; logits
+        of the sampling parts' last rows, in order, and the pool arrays the step writes."""
+        batch = Batch.build([(kv, start, length) for kv, start, length, _ in parts],
                             reserve=reserve)
-        tokens_in = mx.array([t for _, _, tokens, _ in parts for t in tokens], dtype=mx.int32)
         logit_rows: list[int] = []
         row = 0
-        for _, _, tokens, sample in parts:
-            row += len(tokens)
+        for _, _, length, sample in parts:
+            row += length
             if sample:
                 logit_rows.append(row - 1)
         logits = self.model(tokens_in, batch, logit_rows)  # type: ignore[operator]
@@ -109,8 +109,11 @@ class ModelRunner:
                 from_spec[w.slot_id] = spec_index[w.slot_id]
                 continue
             fresh.append(w)
-        logits, kv_arrays = (self._forward([(w.kv, w.start, w.tokens, w.sample) for w in fresh])
-                             if fresh else (None, []))
+        logits, kv_arrays = None, []
+        if fresh:
+            tokens_in = mx.array([t for w in fresh for t in w.tokens], dtype=mx.int32)
+            logits, kv_arrays = self._forward(
+                [(w.kv, w.start, len(w.tokens), w.sample) for w in fresh], tokens_in)
         sampled_work = [w for w in work if w.sample]
         if from_spec:
             assert spec is not None
@@ -127,47 +130,50 @@ class ModelRunner:
         if logits is None:
             mx.eval(kv_arrays)
         else:
-            mx.eval(logits, kv_arrays)
-            out.sampled = self._sample(logits, sampled_work)
+            out.sampled = self._sample(logits, sampled_work, kv_arrays)
         out.seconds = time.perf_counter() - t0
         return out
 
-    def speculate_next(self, work: list[RowWork], out: StepOutput) -> None:
-        """Queue the next decode step's forward for the rows that just sampled a token.
+    def _speculate(self, work: list[RowWork], tokens: mx.array) -> list[int]:
+        """Queue the next decode step's forward, fed the (lazy) tokens being sampled now.
 
-        Only rows whose next position already has a page (no allocation on a guess);
-        any failure just means no speculation (the real step runs everything).
+        Only rows whose next position already has a page (no allocation on a guess); any
+        failure just means no speculation (the real step runs everything). Returns the
+        indices into `work` of the speculated rows (their tokens are filled in later).
         """
-        self._spec = None
-        rows: dict[int, tuple[SlotKV, int, int]] = {}
-        for w in work:
-            s = out.sampled.get(w.slot_id)
-            pos = w.start + len(w.tokens)
-            if s is not None and w.sample and pos < w.kv.capacity:
-                rows[w.slot_id] = (w.kv, pos, s.token)
-        if not rows:
-            return
+        picked = [i for i, w in enumerate(work) if w.start + len(w.tokens) < w.kv.capacity]
+        if not picked:
+            return []
+        if len(picked) < len(work):
+            tokens = tokens[mx.array(picked, dtype=mx.int32)]
         try:
-            logits, kv_arrays = self._forward([(kv, pos, [tok], True)
-                                               for kv, pos, tok in rows.values()], reserve=False)
+            logits, kv_arrays = self._forward(
+                [(work[i].kv, work[i].start + len(work[i].tokens), 1, True) for i in picked],
+                tokens, reserve=False)
             assert logits is not None
             mx.async_eval(logits, *kv_arrays)
         except Exception:  # a slot evicted under us: nothing to speculate on
             log.debug("speculation skipped", exc_info=True)
-            return
-        self._spec = Speculation(rows, logits)
+            return []
+        self._spec = Speculation({}, logits)
+        return picked
 
-    @staticmethod
-    def _sample(logits: mx.array, work: list[RowWork]) -> dict[int, Sampled]:
+    def _sample(self, logits: mx.array, work: list[RowWork],
+                kv_arrays: list[mx.array]) -> dict[int, Sampled]:
         want_lp = any(w.logprobs or w.top_logprobs for w in work)
         top = max((w.top_logprobs for w in work), default=0)
         constrained = [(i, w.grammar) for i, w in enumerate(work) if w.grammar is not None]
         if constrained:  # only these rows change; every other row keeps its exact logits
             logits = apply_masks(logits, [i for i, _ in constrained], [m for _, m in constrained])
-        res = sample_rows(
-            logits, [w.params for w in work], [w.state for w in work], [w.draw for w in work],
-            logprobs=want_lp, top_logprobs=top,
-        )
+        draft = draft_rows(logits, [w.params for w in work], [w.state for w in work],
+                           [w.draw for w in work])
+        mx.async_eval(draft.tokens, *kv_arrays)  # the device starts on this step now
+        speculated = self._speculate(work, draft.tokens) if self.speculate else []
+        res = draft.result(logprobs=want_lp, top_logprobs=top)
+        if self._spec is not None:
+            self._spec.rows = {
+                work[i].slot_id: (work[i].kv, work[i].start + len(work[i].tokens), res.tokens[i])
+                for i in speculated}
         out: dict[int, Sampled] = {}
         for i, w in enumerate(work):
             s = Sampled(res.tokens[i])
