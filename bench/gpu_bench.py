@@ -158,27 +158,95 @@ def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, fl
         if s >= 3:
             builds.append(t1 - t0)
             totals.append(t2 - t0)
+    # pipelined, as the engine runs on a GPU: step s+1's graph is built on the lazy tokens
+    # of step s before anything waits for the device
+    piped = []
+    t_prev = time.perf_counter()
+    base = ctx + steps + 3
+    for s in range(steps + 3):
+        batch = Batch.build([(kv, base + s, 1) for kv in kvs])
+        logits = model(tok, batch, list(range(n)))
+        nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
+        mx.async_eval(nxt, _kv_arrays(kvs))
+        mx.eval(tok)  # the previous step's tokens
+        tok = nxt
+        now = time.perf_counter()
+        if s >= 3:
+            piped.append(now - t_prev)
+        t_prev = now
+    mx.eval(tok)
     step = statistics.median(totals)
+    pstep = statistics.median(piped)
     wbytes = weight_bytes_per_step(model, n)
     return {"streams": n, "step_ms": round(step * 1000, 2),
             "graph_build_ms": round(statistics.median(builds) * 1000, 2),
-            "decode_tok_s": round(n / step, 1), "weight_gbps": round(wbytes / step / GB, 1)}
+            "decode_tok_s": round(n / step, 1), "weight_gbps": round(wbytes / step / GB, 1),
+            "pipelined_step_ms": round(pstep * 1000, 2),
+            "pipelined_tok_s": round(n / pstep, 1)}
 
 
 # ---- micro-benchmarks (no checkpoint): where a decode step's time goes ------------------------
 
 
 def _timed(fn: Any, reps: int = 20) -> float:
-    """Median seconds of mx.eval(fn()) after one warm-up call (which pays any JIT)."""
+    """Seconds per call: the median over 3 batches of `reps` calls evaluated together, after
+    one warm-up call (which pays any JIT); batching keeps per-eval overhead out of it."""
     import mlx.core as mx
 
     mx.eval(fn())
     ts = []
-    for _ in range(reps):
+    for _ in range(3):
         t0 = time.perf_counter()
-        mx.eval(fn())
-        ts.append(time.perf_counter() - t0)
+        mx.eval([fn() for _ in range(reps)])
+        ts.append((time.perf_counter() - t0) / reps)
     return statistics.median(ts)
+
+
+def graph_build_us(reps: int = 200) -> dict[str, float]:
+    """Host microseconds to add one op to the graph (no evaluation): a step's graph build
+    time is the sum of these over its ~20 ops per layer."""
+    import mlx.core as mx
+
+    x = mx.random.normal((1, 4096)).astype(mx.bfloat16)
+    w = (mx.random.normal((6144, 4096)) * 0.02).astype(mx.bfloat16)
+    q, s, b = mx.quantize(w, group_size=64, bits=4)
+    norm = mx.ones((4096,), mx.bfloat16)
+    pool = mx.zeros((64 * 8 * 128, 128), mx.bfloat16)
+    rows = mx.arange(8, dtype=mx.int32)
+    kv = mx.zeros((1, 8, 128), mx.bfloat16)
+    mx.eval(x, q, s, b, norm, pool)
+    cases: dict[str, Any] = {
+        "rms_norm": lambda: mx.fast.rms_norm(x, norm, 1e-5),
+        "add": lambda: x + x,
+        "quantized_matmul": lambda: mx.quantized_matmul(x, q, s, b, transpose=True,
+                                                        group_size=64, bits=4),
+        "scatter_write": lambda: pool.at[rows].add(kv.reshape(8, 128)),
+    }
+    if cuda.enabled():
+        packed = cuda.q4_pack(q, s, b)
+        qkv = mx.zeros((1, 6144), mx.bfloat16)
+        cos = mx.ones((256, 128), mx.bfloat16)
+        pos = mx.zeros((1,), mx.int32)
+        tables = mx.zeros((1, 2, 8), mx.int32)
+        qh = mx.zeros((1, 32, 128), mx.bfloat16)
+        gate_up = mx.zeros((1, 28672), mx.bfloat16)
+        mx.eval(packed, qkv, cos, pos, tables, qh, gate_up)
+        cases.update({
+            "q4_matmul": lambda: cuda.q4_matmul(x, *packed),
+            "rope_split": lambda: cuda.rope_split(qkv, cos, cos, pos, 32, 8, 128),
+            "paged_attention": lambda: cuda.paged_attention(qh, pool, pool, tables, pos, pos,
+                                                            0.088),
+            "swiglu": lambda: cuda.swiglu(gate_up),
+        })
+    out = {}
+    for name, fn in cases.items():
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out[name] = round((time.perf_counter() - t0) / reps * 1e6, 2)
+    emit({"graph_build_us": out})
+    return out
 
 
 def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -370,7 +438,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sweep.append(r)
             emit({"sweep": r})
         report["sweep"] = sweep
-        report["speculated_rows"] = engine.batcher.runner.spec_rows if engine.batcher else 0
+        assert engine.batcher is not None
+        runner_obj = engine.batcher.runner
+        report["speculated_rows"] = runner_obj.spec_rows
+        report["pipelined"] = runner_obj.speculate
+        if runner_obj.speculate:  # the same sweep, steps not pipelined, side by side
+            runner_obj.speculate = False
+            plain = []
+            for i, n in enumerate(streams):
+                engine.drop_retained()
+                r = await run_streams(engine, n, args.prompt_tokens, args.new_tokens,
+                                      offset=100 * (i + 1))
+                if r.get("step_ms"):
+                    r["decode_tok_s"] = round(n * 1000 / r["step_ms"], 1)
+                plain.append(r)
+                emit({"sweep_not_pipelined": r})
+            report["sweep_not_pipelined"] = plain
+            runner_obj.speculate = True
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []
@@ -404,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "gpu":
             mx.set_default_device(mx.gpu)
         report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "mlx": mx.__version__,
-                  "memory": memory_bandwidth(), "matmul": micro_matmul(),
-                  "attention": micro_attention()}
+                  "memory": memory_bandwidth(), "graph_build_us": graph_build_us(),
+                  "matmul": micro_matmul(), "attention": micro_attention()}
     else:
         report = anyio.run(run, args)
     text = json.dumps(report, indent=2)

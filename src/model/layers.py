@@ -177,7 +177,8 @@ class Linear:
     slotserve's batch-invariant CUDA kernel (slotserve.kernels.cuda) when it applies.
     """
 
-    def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool) -> None:
+    def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool,
+                 pack: bool = True) -> None:
         self.q: QuantizedWeight | None = None
         self.w: mx.array | None = None
         self.kernel: cpu_gemm.Matrix | None = None
@@ -192,8 +193,15 @@ class Linear:
             self.w = weight if lib and weight.dtype in _EXACT else weight.astype(compute_dtype)
         if lib is not None and self.w is not None:
             self.kernel = cpu_gemm.Matrix(self.w, lib)
+        self.compute_dtype = compute_dtype
+        if pack:
+            self.pack_for_gpu()
+
+    def pack_for_gpu(self) -> None:
+        """Repack 4-bit weights for slotserve's CUDA kernel when it applies (GPU, bf16)."""
         q = self.q
-        if (q is not None and compute_dtype == mx.bfloat16 and cuda.enabled()
+        if (q is not None and self.q4 is None and self.compute_dtype == mx.bfloat16
+                and cuda.enabled()
                 and cuda.q4_supported(q.shape[1], q.shape[0], q.bits, q.group_size)):
             self.q4 = cuda.q4_pack(q.weight, q.scales, q.biases)
             mx.eval(self.q4)
@@ -252,7 +260,8 @@ class Embedding:
     """Token embedding table; doubles as the tied lm_head."""
 
     def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool) -> None:
-        self.linear = Linear(weight, compute_dtype, keep_quantized)
+        # packed for the GPU matmul only if it also serves as the (tied) lm_head
+        self.linear = Linear(weight, compute_dtype, keep_quantized, pack=False)
         self.compute_dtype = compute_dtype
 
     def __call__(self, tokens: mx.array) -> mx.array:
@@ -267,6 +276,7 @@ class Embedding:
         return lin.w[tokens].astype(self.compute_dtype)
 
     def as_linear(self) -> Linear:
+        self.linear.pack_for_gpu()
         return self.linear
 
 

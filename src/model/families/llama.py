@@ -65,13 +65,14 @@ class MLP:
         self.inter = gate.shape[0]
         self.gate_up = Linear.fused([gate, w[f"{p}.up_proj.weight"]], dtype, quant)
         self.down = Linear(w[f"{p}.down_proj.weight"], dtype, quant)
+        self.cuda = cuda.enabled()  # the model is built on the device it will run on
 
     def __call__(self, x: mx.array) -> mx.array:
         lib = native.library()
         if lib is not None and self.gate_up.kernel is not None and self.down.kernel is not None:
             return cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x)
         gu = self.gate_up(x)
-        if cuda.enabled():
+        if self.cuda:
             return self.down(cuda.swiglu(gu))
         g, u = gu[:, : self.inter], gu[:, self.inter :]
         return self.down(g * mx.sigmoid(g) * u)
