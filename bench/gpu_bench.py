@@ -61,9 +61,7 @@ def _weights(model: Any) -> tuple[int, int]:
     from slotserve.kernels.invariance import linears
 
     dense = 0
-    for lin in linears(model):
-        if lin is model.embed.linear and model.lm_head is not lin:
-            continue  # the embedding lookup reads only the rows of the step's tokens
+    for lin in linears(model):  # not the embedding: a lookup reads only the step's rows
         if lin.q is not None:
             dense += lin.q.weight.nbytes + lin.q.scales.nbytes + lin.q.biases.nbytes
         else:

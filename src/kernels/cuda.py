@@ -201,18 +201,12 @@ _Q4_SOURCE = r"""
   }
 #pragma unroll 1
   for (int i = 0; i < per_warp; ++i) {
-    const int ch = c0 + i;
-    uint4 wq[NT], sq[NT];
+    const int ch = c0 + i, slot = i % STAGES;
+    uint4 wq[NT], sq[NT];  // the plain path's loads (the pipelined one reads the ring)
     if (PIPE) {
       issue(i + STAGES - 1);  // into the slot read in iteration i - 1
       cp_async_wait<STAGES - 1>();  // this thread's copies of chunk i have landed
       __syncwarp();  // ... and every lane's (the scales come from lanes 0-3)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        wq[nt] = ring[warp][i % STAGES][nt][lane];
-        sq[nt] = ring[warp][i % STAGES][nt][32 + t];
-      }
-      __syncwarp();  // all lanes have read the slot before it is refilled
     } else {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -220,38 +214,37 @@ _Q4_SOURCE = r"""
         sq[nt] = sv[((size_t)(tile0 + nt) * chunks + ch) * 4 + t];
       }
     }
+    // word j of this lane's weights / scales of column tile nt, read where it is used so
+    // no registers hold a whole chunk
+    auto wword = [&](int nt, int j) -> uint32_t {
+      return PIPE ? reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][lane])[j]
+                  : reinterpret_cast<const uint32_t*>(&wq[nt])[j];
+    };
+    auto sword = [&](int nt, int j) -> uint32_t {
+      return PIPE ? reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][32 + t])[j]
+                  : reinterpret_cast<const uint32_t*>(&sq[nt])[j];
+    };
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       const int gi = 2 * ch + par;
-      if (MT == 1) {  // one row tile: dequantize each column tile right before its mma
+      // row tile by row tile: x once per row tile, each column tile dequantized where it
+      // is multiplied (exact, so recomputing it per row tile changes no bits)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt >= mt_live) break;
         uint32_t A0[8], A1[8];
         float xs0, xs1;
-        load_x(x, M, K, m_base + g, gi, t, A0, A1, xs0, xs1);
+        load_x(x, M, K, m_base + mt * 16 + g, gi, t, A0, A1, xs0, xs1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           uint32_t bq[8];
-          dequant8(par ? wq[nt].z : wq[nt].x, par ? wq[nt].w : wq[nt].y, bq);
-          group_mma(acc[0][nt], A0, A1, bq, par ? sq[nt].z : sq[nt].x,
-                    par ? sq[nt].w : sq[nt].y, xs0, xs1);
-        }
-      } else {  // several row tiles: dequantize once, reuse for every row tile
-        uint32_t bq[NT][8];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          dequant8(par ? wq[nt].z : wq[nt].x, par ? wq[nt].w : wq[nt].y, bq[nt]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          if (mt >= mt_live) break;
-          uint32_t A0[8], A1[8];
-          float xs0, xs1;
-          load_x(x, M, K, m_base + mt * 16 + g, gi, t, A0, A1, xs0, xs1);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            group_mma(acc[mt][nt], A0, A1, bq[nt], par ? sq[nt].z : sq[nt].x,
-                      par ? sq[nt].w : sq[nt].y, xs0, xs1);
+          dequant8(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
+          group_mma(acc[mt][nt], A0, A1, bq, sword(nt, 2 * par), sword(nt, 2 * par + 1),
+                    xs0, xs1);
         }
       }
     }
+    if (PIPE) __syncwarp();  // every lane is done with the slot before it is refilled
   }
 
   // the K-split partials, summed in warp order, one row tile at a time

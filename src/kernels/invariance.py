@@ -161,7 +161,9 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
 
 
 def linears(model: Any) -> list[Any]:
-    from slotserve.model.layers import Linear
+    """The model's matmuls. An embedding table is only gathered from, so it is left out;
+    when it doubles as the lm_head it is reached through `model.lm_head`."""
+    from slotserve.model.layers import Embedding, Linear
 
     found: list[Any] = []
     seen_ids: set[int] = set()
@@ -170,6 +172,8 @@ def linears(model: Any) -> list[Any]:
         if id(obj) in seen_ids or depth > 6:
             return
         seen_ids.add(id(obj))
+        if isinstance(obj, Embedding):
+            return
         if isinstance(obj, Linear):
             found.append(obj)
         elif isinstance(obj, list | tuple):
