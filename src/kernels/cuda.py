@@ -469,11 +469,12 @@ def q4_pack(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, 
 def _k_split(chunks: int) -> int:
     """Warps splitting K: a function of K only, so every row count sums the same way.
 
-    4 where K allows: on the H200 it beat 8 at 1 and 64 rows on every Llama-3-8B shape
-    (bench/results-gpu/run-c3-micro.json, kernel_variants_us: gate+up at 64 rows 131 vs
-    174 us), as 128-thread blocks keep more blocks resident per SM.
+    8 where K allows. 4 looked faster in the micro-benchmark, but that timed repeated calls
+    on one weight matrix small enough to stay in the 50 MB L2; through the model (every
+    weight read once from HBM per step) it was slower: 127 vs 187 decode tok/s at N = 1
+    (bench/results-gpu/run-d-ksplit4-bench.json vs run-c3-bench.json).
     """
-    return next(s for s in (4, 2, 1) if chunks % s == 0)
+    return next(s for s in (8, 4, 2, 1) if chunks % s == 0)
 
 
 def _row_tiles(m: int) -> int:
