@@ -191,6 +191,47 @@ def _boom(token: int) -> str:
     raise RuntimeError("injected detokenizer failure")
 
 
+class _ExplodingStops(frozenset[int]):
+    """Stop-token set whose membership test fails: crashes the slot on its first token."""
+
+    def __contains__(self, item: object) -> bool:
+        raise RuntimeError("injected slot failure")
+
+
+def test_slot_crash_on_step_result_fails_only_its_request(harness: EngineHarness,
+                                                          solo: list[Completion]) -> None:
+    """A slot that crashes while taking a step result (delivered by a direct call, not its
+    mailbox) fails its own request with an error; its peer is unchanged; the slot is freed."""
+    engine = harness.engine
+
+    async def scenario() -> tuple[Completion, Completion]:
+        result: dict[str, Completion] = {}
+
+        async def victim() -> None:
+            msgs = [{"role": "user", "content": QUESTIONS[0]}]
+            result["c"] = await engine.chat_complete(msgs, max_tokens=MAX_TOKENS, **OPTIONS[0])
+
+        async def crashing() -> None:
+            req = engine.make_request(engine.render_chat(
+                [{"role": "user", "content": QUESTIONS[3]}]), max_tokens=20)
+            req.stop_ids = _ExplodingStops()
+            async with engine.submit(req).client as client:
+                async for d in client:
+                    if d.finish_reason:
+                        result["crash"] = Completion("", d.finish_reason, d.usage, error=d.error)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(victim)
+            tg.start_soon(crashing)
+        return result["c"], result["crash"]
+
+    engine.drop_retained()
+    c, crash = harness.call(scenario)
+    assert crash.finish_reason == "error" and "injected slot failure" in (crash.error or "")
+    assert c.token_ids == solo[0].token_ids
+    _wait_idle(engine)
+
+
 def _wait_idle(engine: Engine, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
