@@ -44,6 +44,9 @@ stage() { echo; echo "=== $(date -u +%FT%TZ) $*"; }
 if want env; then
   stage env
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  for tool in ncu nsys compute-sanitizer; do  # profilers, for the kernel work
+    printf '%s: %s\n' "$tool" "$(command -v $tool || echo absent)"
+  done
   $PY -c 'import sys, mlx.core as mx; print(sys.version.split()[0], "mlx", mx.__version__,
 mx.default_device(), "gpu:", mx.is_available(mx.gpu))'
   sha256sum src/kernels/attention.py src/kernels/cuda.py src/model/layers.py src/model/kv.py \
