@@ -412,6 +412,23 @@ async def ttft(engine: Engine, tokens: int, reps: int = 3) -> dict[str, Any]:
 # ---- main --------------------------------------------------------------------------------------
 
 
+async def sweep(engine: Engine, model: Any, streams: list[int], args: argparse.Namespace,
+                label: str) -> list[dict[str, Any]]:
+    """N streams through the engine for each N: decode tok/s from the steady decode steps."""
+    out = []
+    for i, n in enumerate(streams):
+        engine.drop_retained()
+        r = await run_streams(engine, n, args.prompt_tokens, args.new_tokens,
+                              offset=100 * (i + 1))
+        if r.get("step_ms"):
+            r["decode_tok_s"] = round(n * 1000 / r["step_ms"], 1)
+            wb = weight_bytes_per_step(model, n)
+            r["weight_gbps_model"] = round(wb / (r["model_ms"] / 1000) / GB, 1)
+        out.append(r)
+        emit({label: r})
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
@@ -443,34 +460,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             report["engine_invariance"] = await engine_invariance(engine)
             emit({"engine_invariance": report["engine_invariance"]})
         await run_streams(engine, 1, 32, 4)  # warm-up
-        sweep = []
-        for i, n in enumerate(streams):
-            engine.drop_retained()
-            r = await run_streams(engine, n, args.prompt_tokens, args.new_tokens,
-                                  offset=100 * (i + 1))
-            if r.get("step_ms"):
-                r["decode_tok_s"] = round(n * 1000 / r["step_ms"], 1)
-                wb = weight_bytes_per_step(model, n)
-                r["weight_gbps_model"] = round(wb / (r["model_ms"] / 1000) / GB, 1)
-            sweep.append(r)
-            emit({"sweep": r})
-        report["sweep"] = sweep
+        report["sweep"] = await sweep(engine, model, streams, args, "sweep")
         assert engine.batcher is not None
         runner_obj = engine.batcher.runner
         report["speculated_rows"] = runner_obj.spec_rows
         report["pipelined"] = runner_obj.speculate
         if runner_obj.speculate:  # the same sweep, steps not pipelined, side by side
             runner_obj.speculate = False
-            plain = []
-            for i, n in enumerate(streams):
-                engine.drop_retained()
-                r = await run_streams(engine, n, args.prompt_tokens, args.new_tokens,
-                                      offset=100 * (i + 1))
-                if r.get("step_ms"):
-                    r["decode_tok_s"] = round(n * 1000 / r["step_ms"], 1)
-                plain.append(r)
-                emit({"sweep_not_pipelined": r})
-            report["sweep_not_pipelined"] = plain
+            report["sweep_not_pipelined"] = await sweep(engine, model, streams, args,
+                                                        "sweep_not_pipelined")
             runner_obj.speculate = True
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
