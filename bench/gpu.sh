@@ -32,6 +32,12 @@ export PYTHONPATH=/tmp/slotserve-pkg:${PYTHONPATH:-}
 export SLOTSERVE_TOKENIZER_DIR=${SLOTSERVE_TOKENIZER_DIR:-$PWD/.gputok}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-cache}  # JIT kernels, shared by stages
+# MLX's compiled kernels from an earlier call, carried in .gpucache/ (see the end of this
+# script): a fresh machine then skips most of the minutes of JIT compiling
+if [ -f .gpucache/mlx-ptx.tgz ]; then
+  mkdir -p "$MLX_PTX_CACHE_DIR" && tar xzf .gpucache/mlx-ptx.tgz -C "$MLX_PTX_CACHE_DIR" \
+    && echo "restored MLX kernel cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries"
+fi
 PY=${PY:-python3}
 STAGES=" ${*:-env synth bench tests micro bf16 peer moe} "
 LLAMA=$SYNTH_DIR/llama3-8b-mlx4
@@ -136,5 +142,17 @@ if want moe; then
   timeout 240 $PY bench/gpu_bench.py --model "$MOE" --streams 1,8,32,64 \
     --prompt-tokens 128 --new-tokens 48 --ttft-tokens 1024 --prefill-budget 1024 \
     --out "$OUT/bench_qwen3-30b-a3b.json" | grep -v '^ \|^[{}]$'
+fi
+# hand MLX's kernel cache back (under $OUT) for the next call to carry as .gpucache/, if
+# small enough to travel with the wheel (one call carries at most 64 MiB)
+if [ -d "$MLX_PTX_CACHE_DIR" ]; then
+  tar czf "$OUT/mlx-ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null
+  size=$(stat -c %s "$OUT/mlx-ptx.tgz" 2>/dev/null || echo 0)
+  if [ "$size" -gt $((15 * 1024 * 1024)) ]; then
+    echo "MLX kernel cache is $((size / 1048576)) MiB: too big to carry, not kept"
+    rm -f "$OUT/mlx-ptx.tgz"
+  else
+    echo "MLX kernel cache: $((size / 1024)) KiB in \$OUT/mlx-ptx.tgz (carry it as .gpucache/)"
+  fi
 fi
 stage done
