@@ -10,7 +10,7 @@ one bad request never takes the engine down.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import structlog
@@ -54,10 +54,15 @@ class Actor(ABC, Generic[M]):
             async for msg in self._recv:
                 try:
                     await self.handle(msg)
-                except Exception as exc:  # supervision: contain, report, keep serving
-                    log.exception("actor crashed on message", actor=self.name,
-                                  message=type(msg).__name__)
-                    self.on_crash(msg, exc)
+                except Exception as exc:
+                    self.contain(msg, exc)
+
+    def contain(self, msg: Any, exc: Exception) -> None:
+        """Supervision, for the mailbox loop and for events handed over by a direct call:
+        report, fail what the message concerned (on_crash), keep serving. Call it from the
+        `except` block, so the log carries the traceback."""
+        log.exception("actor crashed on message", actor=self.name, message=type(msg).__name__)
+        self.on_crash(msg, exc)
 
     def close(self) -> None:
         self._send.close()

@@ -12,7 +12,6 @@ import time
 from typing import TYPE_CHECKING
 
 import anyio
-import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from slotserve.actors.base import Actor
@@ -27,8 +26,6 @@ from slotserve.actors.messages import (
     Usage,
 )
 from slotserve.model.detokenizer import IncrementalDetokenizer, StopMatcher
-
-log = structlog.get_logger("slotserve.session")
 
 if TYPE_CHECKING:
     from slotserve.actors.slot import Slot
@@ -81,9 +78,8 @@ class Session(Actor[SessionMessage]):
         try:
             for delta in self._deltas(msg):
                 self._emit_now(delta)
-        except Exception as exc:  # supervision, as in Actor.run
-            log.exception("session crashed on a delivered event", session=self.name)
-            self.on_crash(msg, exc)
+        except Exception as exc:
+            self.contain(msg, exc)
 
     async def handle(self, msg: SessionMessage) -> None:
         if self.finished:

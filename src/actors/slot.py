@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import structlog
 
 from slotserve.actors.base import Actor
 from slotserve.actors.messages import (
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
     from slotserve.actors.batcher import Batcher
     from slotserve.actors.session import Session
 
-log = structlog.get_logger("slotserve.slot")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -128,10 +126,9 @@ class Slot(Actor[SlotMessage]):
     def step_result(self, msg: StepResult) -> None:
         """The Batcher's result for this slot's rows, delivered by a direct call.
 
-        A step's results reach all its slots in one pass of the Batcher (no mailbox hop and
-        task switch per slot per token: at 64 slots that was most of a step's host time).
-        Safe because every actor runs on the one event loop and this never awaits; a crash
-        is contained here as in the mailbox loop.
+        A step's results reach all its slots in one pass of the Batcher, without a mailbox
+        hop and task switch per slot per token. Safe because every actor runs on the one
+        event loop and this never awaits; a crash is contained as in the mailbox loop.
         """
         try:
             if isinstance(msg, StepDone):
@@ -142,9 +139,8 @@ class Slot(Actor[SlotMessage]):
                     self._finish("error", msg.error)
                 self.batcher.tell(Parked(self.id))
                 self._idle()
-        except Exception as exc:  # supervision, as in Actor.run
-            log.exception("slot crashed on a step result", slot=self.id)
-            self.on_crash(msg, exc)
+        except Exception as exc:
+            self.contain(msg, exc)
 
     async def handle(self, msg: SlotMessage) -> None:
         if isinstance(msg, Assign):
