@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-
 from slotserve.actors.base import Actor
 from slotserve.actors.messages import (
     Assign,
@@ -37,7 +36,6 @@ from slotserve.runtime.runner import RowWork
 if TYPE_CHECKING:
     from slotserve.actors.batcher import Batcher
     from slotserve.actors.session import Session
-
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
