@@ -191,6 +191,45 @@ def _boom(token: int) -> str:
     raise RuntimeError("injected detokenizer failure")
 
 
+def test_slow_client_parks_its_slot_and_keeps_its_tokens(harness: EngineHarness,
+                                                         solo: list[Completion]) -> None:
+    """A client that reads slowly fills its stream and its session's mailbox; its slot then
+    parks (skips ticks) until the client catches up. Its tokens and its peer's are the same
+    as alone."""
+    engine = harness.engine
+    long_msgs = [{"role": "user", "content": QUESTIONS[7] + " Explain in detail."}]
+    opts = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    engine.drop_retained()
+    alone = harness.call(lambda: engine.chat_complete(long_msgs, **opts))
+
+    async def scenario() -> tuple[list[int], Completion, bool]:
+        state: dict[str, Any] = {"parked": False, "ids": []}
+
+        async def slow() -> None:
+            async for d in engine.chat(long_msgs, **opts):
+                state["ids"] += d.token_ids
+                if not state["parked"]:
+                    await anyio.sleep(0.2)
+                    state["parked"] = any(s.parked for s in engine.slots)
+
+        async def peer() -> None:
+            msgs = [{"role": "user", "content": QUESTIONS[2]}]
+            state["peer"] = await engine.chat_complete(msgs, max_tokens=MAX_TOKENS,
+                                                       **OPTIONS[2])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(slow)
+            tg.start_soon(peer)
+        return state["ids"], state["peer"], state["parked"]
+
+    engine.drop_retained()
+    ids, peer, parked = harness.call(scenario)
+    assert parked, "the slow client's slot never parked"
+    assert ids == alone.token_ids
+    assert peer.token_ids == solo[2].token_ids
+    _wait_idle(engine)
+
+
 class _ExplodingStops(frozenset[int]):
     """Stop-token set whose membership test fails: crashes the slot on its first token."""
 

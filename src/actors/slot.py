@@ -192,7 +192,7 @@ class Slot(Actor[SlotMessage]):
                 self.batcher.tell(Parked(self.id))
                 return
             lp = None if s.logprob is None else TokenLogprob(s.token, s.logprob, s.top_logprobs)
-            session.tell(TokenEvent(s.token, lp))
+            session.deliver(TokenEvent(s.token, lp))
             if self.matcher is not None and self._grammar_done():
                 return
             if self.generated >= req.max_tokens:
@@ -224,7 +224,7 @@ class Slot(Actor[SlotMessage]):
     def _finish(self, reason: str, error: str | None = None) -> None:
         assert self.request is not None and self.session is not None
         usage = Usage(len(self.request.prompt_ids), self.generated, self.reused)
-        self.session.tell(FinishEvent(reason, usage, error))
+        self.session.deliver(FinishEvent(reason, usage, error))
         self.request = None
         self.session = None
         self.state = None

@@ -20,6 +20,7 @@ thread reserves); the arrays are touched only on the MLX thread.
 from __future__ import annotations
 
 import threading
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -90,6 +91,14 @@ class KVPool:
             self.free.extend(reversed(pages))
 
 
+@cache
+def _head_offsets(heads: int) -> np.ndarray:
+    """Pool-row offset of each kv head's block within a page (read-only)."""
+    offsets = np.arange(heads, dtype=np.int64) * BLOCK
+    offsets.flags.writeable = False
+    return offsets
+
+
 class SlotKV:
     """One slot's view of the pool: the pages holding its positions 0..capacity-1.
 
@@ -100,6 +109,7 @@ class SlotKV:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.pages: list[int] = []
+        self._blocks: tuple[int, np.ndarray] | None = None  # (span, blocks(span)), see blocks
 
     @property
     def capacity(self) -> int:
@@ -118,22 +128,35 @@ class SlotKV:
         missing = -(-end // BLOCK) - len(self.pages)
         if missing > 0:
             self.pages.extend(self.pool.allocate(missing))
+            self._blocks = None
 
     def rows_for(self, start: int, end: int) -> np.ndarray:
         """[end - start, kv_heads] pool rows receiving positions start..end-1, per kv head."""
-        pos = np.arange(start, end)
         heads = self.pool.num_kv_heads
+        if end - start == 1:  # a decode row: the same numbers without per-call arrays
+            base = (self.pages[start // BLOCK] * heads * BLOCK) + start % BLOCK
+            return (base + _head_offsets(heads))[None, :]
+        pos = np.arange(start, end)
         page = np.asarray(self.pages, dtype=np.int64)[pos // BLOCK]
         block = page[:, None] * heads + np.arange(heads)[None, :]
         return block * BLOCK + (pos % BLOCK)[:, None]
 
     def blocks(self, span: int) -> np.ndarray:
-        """[span // BLOCK, kv_heads] block indices of positions 0..span-1 (see key_blocks)."""
+        """[span // BLOCK, kv_heads] block indices of positions 0..span-1 (see key_blocks).
+
+        Kept until the pages change: a decode step asks every slot for the same table as
+        the step before. Callers only read it.
+        """
+        if self._blocks is not None and self._blocks[0] == span:
+            return self._blocks[1]
         heads = self.pool.num_kv_heads
         pages = np.asarray(self.pages[: span // BLOCK], dtype=np.int64)
-        return pages[:, None] * heads + np.arange(heads)[None, :]
+        table = pages[:, None] * heads + np.arange(heads)[None, :]
+        self._blocks = (span, table)
+        return table
 
     def release(self) -> None:
         """Give every page back (slot evicted)."""
         pages, self.pages = self.pages, []
+        self._blocks = None
         self.pool.release(pages)
