@@ -38,10 +38,11 @@ BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
 _HEADER = r"""
 #include <cuda_bf16.h>
 
-// two 4-bit codes (bits shift..shift+7 of w) as two exact bf16 values
-__device__ __forceinline__ uint32_t q4_pair(uint32_t w, int shift) {
-  uint32_t v = w >> shift;
-  uint32_t r = (v & 0xFu) | ((v & 0xF0u) << 12) | 0x43004300u;  // 128 + q in bf16
+// two 4-bit codes as two exact bf16 values: q4_pack stores each word's codes interleaved
+// (nibbles c0 c2 c4 c6 c1 c3 c5 c7), so pair j = (c_2j, c_2j+1) sits at bits 4j and 4j+16
+// and one shift, one and-or (lop3) and one bf16x2 subtract dequantize both
+__device__ __forceinline__ uint32_t q4_pair(uint32_t w, int j) {
+  uint32_t r = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;  // 128 + q in bf16
   __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&r);
   h = __hsub2(h, __floats2bfloat162_rn(128.0f, 128.0f));
   return *reinterpret_cast<uint32_t*>(&h);
@@ -78,9 +79,8 @@ __device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t* b
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t word = s < 2 ? wlo : whi;
-    const int sh = 16 * (s & 1);
-    bq[2 * s] = q4_pair(word, sh);
-    bq[2 * s + 1] = q4_pair(word, sh + 8);
+    bq[2 * s] = q4_pair(word, 2 * (s & 1));  // codes 4(s&1), +1 of the word
+    bq[2 * s + 1] = q4_pair(word, 2 * (s & 1) + 1);  // codes 4(s&1) + 2, + 3
   }
 }
 
@@ -460,10 +460,22 @@ def q4_pack(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, 
     chunks = words // 16
     wp = (w.reshape(n // 8, 8, chunks, 2, 4, 2).transpose(0, 2, 1, 4, 3, 5)
           .reshape(n // 8, chunks, 32, 4))
+    # each word's codes interleaved for q4_pair: code j (bits 4j..) to nibble _NIBBLE_TO[j]
+    wp = _interleave(wp.astype(mx.uint32))
     pairs = mx.stack([scales, biases], axis=-1).astype(mx.bfloat16).view(mx.uint32)
     sp = (pairs.reshape(n // 8, 4, 2, chunks, 2).transpose(0, 3, 1, 4, 2)
           .reshape(n // 8, chunks, 4, 4))
     return mx.contiguous(wp), mx.contiguous(sp)
+
+
+_NIBBLE_TO = (0, 4, 1, 5, 2, 6, 3, 7)  # code j of an MLX word -> nibble in the packed word
+
+
+def _interleave(words: mx.array) -> mx.array:
+    out = mx.zeros_like(words)
+    for j, dst in enumerate(_NIBBLE_TO):
+        out = out | (((words >> (4 * j)) & 0xF) << (4 * dst))
+    return out
 
 
 def _k_split(chunks: int) -> int:
