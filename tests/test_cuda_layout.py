@@ -36,12 +36,12 @@ def _as_kernel_reads(wp: np.ndarray, sp: np.ndarray, n: int, k: int
                     group = 2 * c + par
                     words = (int(wp[tile, c, lane, 2 * par]), int(wp[tile, c, lane, 2 * par + 1]))
                     for s in range(4):  # dequant8: mma step s, k-slots (2t, 2t+1), (2t+8, 2t+9)
-                        word, sh = words[s // 2], 16 * (s & 1)
-                        for half, shift in ((0, sh), (1, sh + 8)):  # q4_pair(word, shift)
-                            v = word >> shift
+                        word = words[s // 2]
+                        for half in range(2):  # q4_pair(word, j): bits 4j and 4j + 16
+                            v = word >> (4 * (2 * (s & 1) + half))
                             kk = 64 * group + 16 * t + 4 * s + 2 * half
                             codes[col, kk] = v & 0xF
-                            codes[col, kk + 1] = (v >> 4) & 0xF
+                            codes[col, kk + 1] = (v >> 16) & 0xF
                     for j in range(2):  # sword(nt, 2 par + j): columns 2t + j of the tile
                         sb = np.uint32(sp[tile, c, t, 2 * par + j])
                         scol = 8 * tile + 2 * t + j
