@@ -183,6 +183,59 @@ def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, fl
             "pipelined_tok_s": round(n / pstep, 1)}
 
 
+def matmul_share(model: Any, rows: tuple[int, ...] = (1, 8, 64)) -> list[dict[str, Any]]:
+    """How much of a decode step is the Linears: every packed Linear of the model once, in
+    model order, in one graph (weights streamed from HBM as in a step), with slotserve's
+    4-bit kernel and with MLX's; per weight shape too. Compare with runner_timing's step."""
+    import mlx.core as mx
+
+    from slotserve.kernels.invariance import linears
+
+    lins = [lin for lin in linears(model) if lin.q4 is not None]
+    if not lins:
+        return []
+    out = []
+    for m in rows:
+        xs = {k: mx.random.normal((m, k), key=mx.random.key(k)).astype(mx.bfloat16)
+              for k in {lin.q.shape[1] for lin in lins}}
+        mx.eval(list(xs.values()))
+
+        def total(fn: Any, subset: list[Any]) -> float:
+            ts = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                mx.eval([fn(lin) for lin in subset])
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts[1:]) * 1000
+
+        def ours(lin: Any, xs: dict[int, Any] = xs) -> Any:
+            return cuda.q4_matmul(xs[lin.q.shape[1]], *lin.q4)
+
+        def held(lin: Any, xs: dict[int, Any] = xs) -> Any:  # x of every row tile held, weights dequantized once
+            return cuda.q4_matmul(xs[lin.q.shape[1]], *lin.q4, reuse=True)
+
+        def theirs(lin: Any, xs: dict[int, Any] = xs) -> Any:
+            q = lin.q
+            return mx.quantized_matmul(xs[q.shape[1]], q.weight, q.scales, q.biases,
+                                       transpose=True, group_size=q.group_size, bits=q.bits)
+
+        nbytes = sum(lin.q.weight.nbytes + lin.q.scales.nbytes + lin.q.biases.nbytes
+                     for lin in lins)
+        r: dict[str, Any] = {"rows": m, "linears": len(lins),
+                             "kernel_ms": round(total(ours, lins), 3),
+                             "mlx_ms": round(total(theirs, lins), 3)}
+        if m > 16:
+            r["kernel_reuse_ms"] = round(total(held, lins), 3)
+        r["kernel_gbps"] = round(nbytes / r["kernel_ms"] * 1000 / GB, 1)
+        shapes: dict[str, list[Any]] = {}
+        for lin in lins:
+            shapes.setdefault(str(list(lin.q.shape)), []).append(lin)
+        r["kernel_ms_by_shape"] = {k: round(total(ours, v), 3) for k, v in shapes.items()}
+        out.append(r)
+        emit({"matmul_share": r})
+    return out
+
+
 # ---- micro-benchmarks (no checkpoint): where a decode step's time goes ------------------------
 
 
@@ -287,13 +340,15 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
             r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1))
             if m in (1, 64):  # launch shapes: (column tiles, pipelined, K-split warps)
                 r["kernel_variants_us"] = {
-                    f"nt{nt}-{'pipe' if pipe else 'plain'}-k{ks}": round(1e6 * _timed(
-                        lambda x=x, nt=nt, pipe=pipe, ks=ks: cuda.q4_matmul(
-                            x, *next_k(), nt=nt, pipelined=pipe, ksplit=ks)), 1)
-                    for nt, pipe, ks in ((1, True, 8), (2, True, 8), (4, True, 8),
-                                         (2, False, 8), (4, False, 8), (2, True, 4),
-                                         (4, True, 4))
-                    if n_out % (8 * nt) == 0 and n_in % (128 * ks) == 0}
+                    f"nt{nt}-{'pipe' if pipe else 'plain'}-k{ks}{'-reuse' if re else ''}":
+                    round(1e6 * _timed(
+                        lambda x=x, nt=nt, pipe=pipe, ks=ks, re=re: cuda.q4_matmul(
+                            x, *next_k(), nt=nt, pipelined=pipe, ksplit=ks, reuse=re)), 1)
+                    for nt, pipe, ks, re in ((1, True, 8, False), (2, True, 8, False),
+                                             (4, True, 8, False), (2, False, 8, False),
+                                             (2, True, 8, True), (4, True, 8, True))
+                    if n_out % (8 * nt) == 0 and n_in % (128 * ks) == 0
+                    and (m > 16 or not re)}
         out.append(r)
         emit({"micro_matmul": r})
     return out
@@ -479,6 +534,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             runner.append(r)
             emit({"runner": r})
         report["runner"] = runner
+        report["matmul_share"] = engine.mlx.call(lambda: matmul_share(model))
         report["peak_memory_gb"] = round(engine.mlx.call(mx.get_peak_memory) / GB, 2)
     return report
 

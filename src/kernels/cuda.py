@@ -227,6 +227,25 @@ _Q4_SOURCE = r"""
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       const int gi = 2 * ch + par;
+      if (REUSE) {  // every row tile's x held, each column tile dequantized once
+        uint32_t A0[MT][8], A1[MT][8];
+        float xs0[MT], xs1[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          if (mt < mt_live)
+            load_x(x, M, K, m_base + mt * 16 + g, gi, t, A0[mt], A1[mt], xs0[mt], xs1[mt]);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          uint32_t bq[8];
+          dequant8(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            if (mt < mt_live)
+              group_mma(acc[mt][nt], A0[mt], A1[mt], bq, sword(nt, 2 * par),
+                        sword(nt, 2 * par + 1), xs0[mt], xs1[mt]);
+        }
+        continue;
+      }
       // row tile by row tile: x once per row tile, each column tile dequantized where it
       // is multiplied (exact, so recomputing it per row tile changes no bits)
 #pragma unroll
@@ -499,47 +518,52 @@ def _column_tile_choices(n: int, mt: int) -> list[int]:
     return [nt for nt in (1, 2, 4) if n % (8 * nt) == 0 and mt * nt <= 16]
 
 
-# (N, K, MT) -> NT found fastest by tune_q4 on this GPU (any NT gives the same bits)
-_tuned_nt: dict[tuple[int, int, int], int] = {}
-last_tuning: dict[str, int] = {}  # tune_q4's latest choices, for the benchmark report
+# (N, K, MT) -> (NT, REUSE) found fastest by tune_q4 on this GPU (all give the same bits)
+_tuned: dict[tuple[int, int, int], tuple[int, bool]] = {}
+last_tuning: dict[str, str] = {}  # tune_q4's latest choices, for the benchmark report
 
 
-def tune_q4(weights: list[tuple[mx.array, mx.array]], reps: int = 10) -> dict[str, int]:
-    """Time each column-tile width per weight shape and row tile; keep the fastest.
+def tune_q4(weights: list[tuple[mx.array, mx.array]], reps: int = 10) -> dict[str, str]:
+    """Time each launch shape (column-tile width, and above one row tile whether x is held
+    for all row tiles) per weight shape and row tile; keep the fastest.
 
     Each timed call takes the next of the model's matrices of that shape (up to 32), so
     weights come from HBM as in a step rather than staying in the L2 (a 4096 x 4096 layer
     is 9 MB). Launch shape only: every width computes every element the same way, so
-    tuning can never change a token. Returns {"NxK/rows": NT} for the logs and the
-    benchmark.
+    tuning can never change a token. Returns {"NxK/rows": "nt<NT>[-reuse]"} for the logs
+    and the benchmark.
     """
     shapes: dict[tuple[int, int], list[tuple[mx.array, mx.array]]] = {}
     for wp, sp in weights:
         shapes.setdefault((wp.shape[0] * 8, wp.shape[1] * 128), []).append((wp, sp))
-    chosen: dict[str, int] = {}
+    chosen: dict[str, str] = {}
     for (n, k), mats in shapes.items():
         mats = mats[:32]
         for mt in (1, 2, 4, 8):
             x = mx.random.normal((16 * mt, k), key=mx.random.key(mt)).astype(mx.bfloat16)
-            times: dict[int, float] = {}
+            times: dict[tuple[int, bool], float] = {}
             for nt in _column_tile_choices(n, mt):
-                mx.eval(q4_matmul(x, *mats[0], nt=nt))  # compile + warm
-                calls = max(reps, len(mats))
-                t0 = time.perf_counter()
-                mx.eval([q4_matmul(x, *mats[i % len(mats)], nt=nt) for i in range(calls)])
-                times[nt] = (time.perf_counter() - t0) / calls
-            best = min(times, key=lambda nt: times[nt])
-            _tuned_nt[(n, k, mt)] = best
-            chosen[f"{n}x{k}/{16 * mt}"] = best
+                for reuse in (False, True) if mt > 1 else (False,):
+                    mx.eval(q4_matmul(x, *mats[0], nt=nt, reuse=reuse))  # compile + warm
+                    calls = max(reps, len(mats))
+                    t0 = time.perf_counter()
+                    mx.eval([q4_matmul(x, *mats[i % len(mats)], nt=nt, reuse=reuse)
+                             for i in range(calls)])
+                    times[(nt, reuse)] = (time.perf_counter() - t0) / calls
+            best = min(times, key=lambda launch: times[launch])
+            _tuned[(n, k, mt)] = best
+            chosen[f"{n}x{k}/{16 * mt}"] = f"nt{best[0]}" + ("-reuse" if best[1] else "")
     last_tuning.update(chosen)
     return chosen
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
-              pipelined: bool = True, ksplit: int | None = None) -> mx.array:
+              pipelined: bool = True, ksplit: int | None = None,
+              reuse: bool | None = None) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
-    nt (column tiles per block) and pipelined change only the speed, never the bits;
+    nt (column tiles per block), pipelined and reuse (above 16 rows: hold every row
+    tile's x and dequantize each weight once) change only the speed, never the bits;
     ksplit changes the summation order and is for the micro-benchmark only (the engine
     keeps the one derived from K, which is what makes rows batch-invariant).
     """
@@ -547,11 +571,15 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
     n = wp.shape[0] * 8
     ksplit = ksplit or _k_split(k // 128)
     mt = _row_tiles(m)
+    tuned = _tuned.get((n, k, mt))
     if nt is None:  # tuned for this GPU, else wide blocks for big N at few rows
-        nt = _tuned_nt.get((n, k, mt)) or (4 if n % 32 == 0 and n >= 16384 and mt <= 4 else 2)
+        nt = tuned[0] if tuned else (4 if n % 32 == 0 and n >= 16384 and mt <= 4 else 2)
+    if reuse is None:
+        reuse = tuned[1] if tuned else False
     (y,) = _kernel("q4_matmul")(
         inputs=[x.astype(mx.bfloat16), wp, sp],
-        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined)],
+        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined),
+                  ("REUSE", reuse and mt > 1)],
         grid=(n // (8 * nt) * 32 * ksplit, -(-m // (16 * mt)), 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n)],
