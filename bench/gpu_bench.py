@@ -211,7 +211,7 @@ def matmul_share(model: Any, rows: tuple[int, ...] = (1, 8, 64)) -> list[dict[st
         def ours(lin: Any, xs: dict[int, Any] = xs) -> Any:
             return cuda.q4_matmul(xs[lin.q.shape[1]], *lin.q4)
 
-        def held(lin: Any, xs: dict[int, Any] = xs) -> Any:  # x of every row tile held, weights dequantized once
+        def held(lin: Any, xs: dict[int, Any] = xs) -> Any:  # weights dequantized once
             return cuda.q4_matmul(xs[lin.q.shape[1]], *lin.q4, reuse=True)
 
         def theirs(lin: Any, xs: dict[int, Any] = xs) -> Any:
