@@ -128,8 +128,8 @@ def _kv_arrays(kvs: list[Any]) -> list[Any]:
     return [a for kv in kvs for a in (*kv.keys, *kv.values) if a is not None]
 
 
-def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, float]:
-    """Decode steps of n slots straight through the model: graph build vs total time."""
+def prefilled_slots(model: Any, n: int, ctx: int) -> tuple[list[Any], Any]:
+    """n slots holding ctx random prompt tokens each, and each one's last token."""
     import mlx.core as mx
 
     from slotserve.model.layers import Batch
@@ -143,14 +143,30 @@ def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, fl
         batch = Batch.build([(kvs[j], 0, ctx) for j in part])
         model(ids[part[0] : part[-1] + 1].reshape(-1), batch, [])
         mx.eval(_kv_arrays([kvs[j] for j in part]))
-    tok = ids[:, -1]
+    return kvs, ids[:, -1]
+
+
+def decode_step(model: Any, kvs: list[Any], tok: Any, pos: int) -> Any:
+    """One greedy decode step of every slot at position pos (lazy: nothing evaluated)."""
+    import mlx.core as mx
+
+    from slotserve.model.layers import Batch
+
+    batch = Batch.build([(kv, pos, 1) for kv in kvs])
+    logits = model(tok, batch, list(range(len(kvs))))
+    return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+
+def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, float]:
+    """Decode steps of n slots straight through the model: graph build vs total time."""
+    import mlx.core as mx
+
+    kvs, tok = prefilled_slots(model, n, ctx)
     builds, totals = [], []
     for s in range(steps + 3):
         t0 = time.perf_counter()
-        batch = Batch.build([(kv, ctx + s, 1) for kv in kvs])
-        logits = model(tok, batch, list(range(n)))
+        tok = decode_step(model, kvs, tok, ctx + s)
         t1 = time.perf_counter()
-        tok = mx.argmax(logits, axis=-1).astype(mx.int32)
         mx.eval(tok, _kv_arrays(kvs))
         t2 = time.perf_counter()
         if s >= 3:
@@ -162,9 +178,7 @@ def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, fl
     t_prev = time.perf_counter()
     base = ctx + steps + 3
     for s in range(steps + 3):
-        batch = Batch.build([(kv, base + s, 1) for kv in kvs])
-        logits = model(tok, batch, list(range(n)))
-        nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
+        nxt = decode_step(model, kvs, tok, base + s)
         mx.async_eval(nxt, _kv_arrays(kvs))
         mx.eval(tok)  # the previous step's tokens
         tok = nxt

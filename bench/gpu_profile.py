@@ -1,0 +1,113 @@
+"""GPU time of one decode step, kernel by kernel, under Nsight Compute.
+
+Which kernels a decode step of N rows spends its device time in (the benchmark's step
+times say how long, not where). Run on the GPU machine (bench/gpu.sh, stage `profile`):
+
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \\
+        --csv --log-file steps.csv python bench/gpu_profile.py MODEL --rows 1,64
+    python bench/gpu_profile.py --summarize steps.csv
+
+Only the decode steps are profiled (cuProfilerStart/Stop around each); a marker kernel
+named after the row count opens each step's range in the log. ncu flushes the caches
+before every kernel, so each reads its weights from HBM as in a real step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+MARKER = "slotserve_profile_rows"
+
+
+def _marker(rows: int) -> None:
+    import mlx.core as mx
+
+    kernel = mx.fast.cuda_kernel(name=f"{MARKER}{rows}", input_names=["a"],
+                                 output_names=["b"], source="b[0] = a[0];")
+    (b,) = kernel(inputs=[mx.zeros((1,), mx.float32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                  output_shapes=[(1,)], output_dtypes=[mx.float32])
+    mx.eval(b)
+
+
+def profile(model_path: str, rows: list[int], ctx: int) -> None:
+    import mlx.core as mx
+    from gpu_bench import _kv_arrays, decode_step, prefilled_slots
+
+    from slotserve.model.loader import load
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    lm = load(model_path, device="gpu", with_tokenizer=False, probe_rows=None)
+    for n in rows:
+        kvs, tok = prefilled_slots(lm.model, n, ctx)
+        for s in range(3):  # warm: every kernel of a step compiled and cached
+            tok = decode_step(lm.model, kvs, tok, ctx + s)
+            mx.eval(tok, _kv_arrays(kvs))
+        cuda.cuProfilerStart()
+        _marker(n)
+        tok = decode_step(lm.model, kvs, tok, ctx + 3)
+        mx.eval(tok, _kv_arrays(kvs))
+        mx.synchronize()
+        cuda.cuProfilerStop()
+
+
+def _short(name: str) -> str:
+    """A kernel's family: slotserve's by name, MLX's by its function name."""
+    name = re.sub(r"<.*", "", name.replace("void ", ""))
+    return name.split("::")[-1].split("(")[0]
+
+
+def summarize(csv_path: Path) -> dict[str, Any]:
+    """{rows: {kernels, total_us, by_kernel: {name: [count, us]}}} from ncu's CSV log."""
+    text = csv_path.read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith('"ID"'))
+    steps: dict[str, dict[str, list[float]]] = {}
+    current: dict[str, list[float]] | None = None
+    for row in csv.DictReader(text[start:]):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        marker = re.search(MARKER + r"(\d+)", row["Kernel Name"])
+        if marker:
+            current = steps.setdefault(marker.group(1), defaultdict(lambda: [0, 0.0]))
+            continue
+        name = _short(row["Kernel Name"])
+        if current is None:
+            continue
+        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[row["Metric Unit"]]
+        entry = current[name]
+        entry[0] += 1
+        entry[1] += float(row["Metric Value"].replace(",", "")) * scale
+    out: dict[str, Any] = {}
+    for rows, kernels in steps.items():
+        ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+        out[rows] = {"kernels": int(sum(c for c, _ in kernels.values())),
+                     "total_us": round(sum(us for _, us in kernels.values()), 1),
+                     "by_kernel": {k: [int(c), round(us, 1)] for k, (c, us) in ranked}}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?")
+    p.add_argument("--rows", default="1,64")
+    p.add_argument("--ctx", type=int, default=128, help="prompt tokens per slot")
+    p.add_argument("--summarize", type=Path, help="an ncu CSV log: print the summary")
+    args = p.parse_args(argv)
+    if args.summarize:
+        json.dump(summarize(args.summarize), sys.stdout, indent=1)
+        print()
+        return 0
+    sys.path.insert(0, str(Path(__file__).parent))
+    profile(args.model, [int(r) for r in args.rows.split(",")], args.ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
