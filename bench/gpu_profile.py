@@ -60,8 +60,8 @@ def profile(model_path: str, rows: list[int], ctx: int) -> None:
 
 def _short(name: str) -> str:
     """A kernel's family: slotserve's by name, MLX's by its function name."""
-    name = re.sub(r"<.*", "", name.replace("void ", ""))
-    return name.split("::")[-1].split("(")[0]
+    name = re.sub(r"<.*", "", name.replace("void ", "").split("(")[0])
+    return name.split("::")[-1].removeprefix("custom_kernel_")
 
 
 def summarize(csv_path: Path) -> dict[str, Any]:
@@ -80,7 +80,8 @@ def summarize(csv_path: Path) -> dict[str, Any]:
         name = _short(row["Kernel Name"])
         if current is None:
             continue
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[row["Metric Unit"]]
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+                 "msecond": 1e3}[row["Metric Unit"]]
         entry = current[name]
         entry[0] += 1
         entry[1] += float(row["Metric Value"].replace(",", "")) * scale
