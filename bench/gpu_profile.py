@@ -27,10 +27,11 @@ from typing import Any
 MARKER = "slotserve_profile_rows"
 
 
-def _marker(rows: int) -> None:
+def _marker(tag: str) -> None:
+    """A one-thread kernel named MARKER + tag: opens the next range in ncu's log."""
     import mlx.core as mx
 
-    kernel = mx.fast.cuda_kernel(name=f"{MARKER}{rows}", input_names=["a"],
+    kernel = mx.fast.cuda_kernel(name=f"{MARKER}{tag}", input_names=["a"],
                                  output_names=["b"], source="b[0] = a[0];")
     (b,) = kernel(inputs=[mx.zeros((1,), mx.float32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                   output_shapes=[(1,)], output_dtypes=[mx.float32])
@@ -51,11 +52,41 @@ def profile(model_path: str, rows: list[int], ctx: int) -> None:
             tok = decode_step(lm.model, kvs, tok, ctx + s)
             mx.eval(tok, _kv_arrays(kvs))
         cuda.cuProfilerStart()
-        _marker(n)
+        _marker(str(n))
         tok = decode_step(lm.model, kvs, tok, ctx + 3)
         mx.eval(tok, _kv_arrays(kvs))
         mx.synchronize()
         cuda.cuProfilerStop()
+
+
+def launches(shapes: list[tuple[int, int]], rows: list[int]) -> None:
+    """Each launch shape of slotserve's 4-bit kernels once per (weight shape, row count),
+    behind a marker naming it: ncu's log then holds every variant's GPU time, caches
+    flushed before each as in a step (tune_q4's choice comes from host-side timing)."""
+    import mlx.core as mx
+
+    from slotserve.kernels import cuda
+
+    cases = []
+    for n, k in shapes:
+        w = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
+        packed = cuda.q4_pack(*mx.quantize(w, group_size=64, bits=4))
+        for m in rows:
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            for launch in cuda._launch_choices(n, cuda._row_tiles(m)):
+                nt, reuse, warps = launch
+                tag = f"{m}_n{n}k{k}_{cuda._launch_name(launch).replace('-', '_')}"
+                cases.append((tag, lambda x=x, p=packed, nt=nt, r=reuse, w=warps:
+                               cuda.q4_matmul(x, *p, nt=nt, reuse=r, warps=w)))
+    for _, run in cases:  # compile and warm, outside the profiled range
+        mx.eval(run())
+    mx.synchronize()
+    ctypes.CDLL("libcuda.so.1").cuProfilerStart()
+    for tag, run in cases:
+        _marker(tag)
+        mx.eval(run())
+    mx.synchronize()
+    ctypes.CDLL("libcuda.so.1").cuProfilerStop()
 
 
 def _short(name: str) -> str:
@@ -73,7 +104,7 @@ def summarize(csv_path: Path) -> dict[str, Any]:
     for row in csv.DictReader(text[start:]):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
-        marker = re.search(MARKER + r"(\d+)", row["Kernel Name"])
+        marker = re.search(MARKER + r"(\w+?)\(", row["Kernel Name"] + "(")
         if marker:
             current = steps.setdefault(marker.group(1), defaultdict(lambda: [0, 0.0]))
             continue
@@ -100,13 +131,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,64")
     p.add_argument("--ctx", type=int, default=128, help="prompt tokens per slot")
     p.add_argument("--summarize", type=Path, help="an ncu CSV log: print the summary")
+    p.add_argument("--launches", action="store_true",
+                   help="no model: every 4-bit launch shape on Llama-3-8B's weight shapes")
     args = p.parse_args(argv)
     if args.summarize:
         json.dump(summarize(args.summarize), sys.stdout, indent=1)
         print()
         return 0
     sys.path.insert(0, str(Path(__file__).parent))
-    profile(args.model, [int(r) for r in args.rows.split(",")], args.ctx)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.launches:
+        import mlx.core as mx
+
+        mx.set_default_device(mx.gpu)
+        launches([(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
+                 rows)
+        return 0
+    profile(args.model, rows, args.ctx)
     return 0
 
 
