@@ -128,7 +128,7 @@ if want launches; then
   if command -v ncu >/dev/null; then
     timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
       --metrics gpu__time_duration.sum --csv --log-file "$OUT/launches.csv" \
-      $PY bench/gpu_profile.py --launches --rows 1,64 2>&1 | grep -v '^==PROF==' | tail -5
+      $PY bench/gpu_profile.py --launches --rows 1,32,64,128 2>&1 | grep -v '^==PROF==' | tail -5
     $PY bench/gpu_profile.py --summarize "$OUT/launches.csv" > "$OUT/launches.json"
   else
     echo "ncu absent: no profile"
