@@ -225,9 +225,6 @@ def matmul_share(model: Any, rows: tuple[int, ...] = (1, 8, 64)) -> list[dict[st
         def ours(lin: Any, xs: dict[int, Any] = xs) -> Any:
             return cuda.q4_matmul(xs[lin.q.shape[1]], *lin.q4)
 
-        def held(lin: Any, xs: dict[int, Any] = xs) -> Any:  # weights dequantized once
-            return cuda.q4_matmul(xs[lin.q.shape[1]], *lin.q4, reuse=True)
-
         def theirs(lin: Any, xs: dict[int, Any] = xs) -> Any:
             q = lin.q
             return mx.quantized_matmul(xs[q.shape[1]], q.weight, q.scales, q.biases,
@@ -238,8 +235,6 @@ def matmul_share(model: Any, rows: tuple[int, ...] = (1, 8, 64)) -> list[dict[st
         r: dict[str, Any] = {"rows": m, "linears": len(lins),
                              "kernel_ms": round(total(ours, lins), 3),
                              "mlx_ms": round(total(theirs, lins), 3)}
-        if m > 16:
-            r["kernel_reuse_ms"] = round(total(held, lins), 3)
         r["kernel_gbps"] = round(nbytes / r["kernel_ms"] * 1000 / GB, 1)
         shapes: dict[str, list[Any]] = {}
         for lin in lins:
@@ -354,15 +349,12 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
             r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1))
             if m in (1, 64):  # launch shapes: (column tiles, pipelined, K-split warps)
                 r["kernel_variants_us"] = {
-                    f"nt{nt}-{'pipe' if pipe else 'plain'}-k{ks}{'-reuse' if re else ''}":
-                    round(1e6 * _timed(
-                        lambda x=x, nt=nt, pipe=pipe, ks=ks, re=re: cuda.q4_matmul(
-                            x, *next_k(), nt=nt, pipelined=pipe, ksplit=ks, reuse=re)), 1)
-                    for nt, pipe, ks, re in ((1, True, 8, False), (2, True, 8, False),
-                                             (4, True, 8, False), (2, False, 8, False),
-                                             (2, True, 8, True), (4, True, 8, True))
-                    if n_out % (8 * nt) == 0 and n_in % (128 * ks) == 0
-                    and (m > 16 or not re)}
+                    f"nt{nt}-{'pipe' if pipe else 'plain'}-k{ks}": round(1e6 * _timed(
+                        lambda x=x, nt=nt, pipe=pipe, ks=ks: cuda.q4_matmul(
+                            x, *next_k(), nt=nt, pipelined=pipe, ksplit=ks)), 1)
+                    for nt, pipe, ks in ((1, True, 8), (2, True, 8), (4, True, 8),
+                                         (2, False, 8))
+                    if n_out % (8 * nt) == 0 and n_in % (128 * ks) == 0}
         out.append(r)
         emit({"micro_matmul": r})
     return out
@@ -518,7 +510,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         dense, experts = engine.mlx.call(lambda: _weights(model))
         report["weights_gb"] = {"linear": round(dense / GB, 3), "experts": round(experts / GB, 3)}
         report["probe"] = vars(lm.invariance) if lm.invariance else None
-        report["q4_column_tiles"] = dict(cuda.last_tuning)
         emit({"load": report["load_s"], "probe": report["probe"],
               "weights_gb": report["weights_gb"]})
         report["memory"] = engine.mlx.call(memory_bandwidth)

@@ -62,7 +62,7 @@ def profile(model_path: str, rows: list[int], ctx: int) -> None:
 def launches(shapes: list[tuple[int, int]], rows: list[int]) -> None:
     """Each launch shape of slotserve's 4-bit kernels once per (weight shape, row count),
     behind a marker naming it: ncu's log then holds every variant's GPU time, caches
-    flushed before each as in a step (tune_q4's choice comes from host-side timing)."""
+    flushed before each as in a step (cuda._column_tiles is chosen from these)."""
     import mlx.core as mx
 
     from slotserve.kernels import cuda
@@ -73,11 +73,10 @@ def launches(shapes: list[tuple[int, int]], rows: list[int]) -> None:
         packed = cuda.q4_pack(*mx.quantize(w, group_size=64, bits=4))
         for m in rows:
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            for launch in cuda._launch_choices(n, cuda._row_tiles(m)):
-                nt, reuse, warps = launch
-                tag = f"{m}_n{n}k{k}_{cuda._launch_name(launch).replace('-', '_')}"
-                cases.append((tag, lambda x=x, p=packed, nt=nt, r=reuse, w=warps:
-                               cuda.q4_matmul(x, *p, nt=nt, reuse=r, warps=w)))
+            for nt in (1, 2, 4):
+                if n % (8 * nt) == 0:
+                    cases.append((f"{m}_n{n}k{k}_nt{nt}", lambda x=x, p=packed, nt=nt:
+                                  cuda.q4_matmul(x, *p, nt=nt)))
     for _, run in cases:  # compile and warm, outside the profiled range
         mx.eval(run())
     mx.synchronize()

@@ -25,7 +25,6 @@ GPU (tests/test_cuda_kernels.py, marked gpu).
 from __future__ import annotations
 
 import os
-import time
 from functools import cache
 from typing import Any
 
@@ -137,54 +136,6 @@ __device__ __forceinline__ void group_mma(float* a, const uint32_t* A0, const ui
   a[2] = __fmaf_rn(s0, tmp[2], __fmaf_rn(b0, xs1, a[2]));
   a[3] = __fmaf_rn(s1, tmp[3], __fmaf_rn(b1, xs1, a[3]));
 }
-
-// one 128-wide chunk (groups 2ch, 2ch+1) of MT row tiles x NT column tiles into acc.
-// wword(nt, j) / sword(nt, j): word j of this lane's weights / scales of column tile nt.
-// REUSE holds every row tile's x and dequantizes each column tile once; otherwise row
-// tile by row tile, x once per row tile and each column tile dequantized where it is
-// multiplied (exact either way, so the two give the same bits).
-template <int MT, int NT, bool REUSE, typename WW, typename SW>
-__device__ __forceinline__ void chunk_mma(float (&acc)[MT][NT][4], const __nv_bfloat16* x,
-                                          int M, int K, int m_base, int mt_live, int ch,
-                                          int g, int t, WW wword, SW sword) {
-#pragma unroll
-  for (int par = 0; par < 2; ++par) {
-    const int gi = 2 * ch + par;
-    if (REUSE) {
-      uint32_t A0[MT][8], A1[MT][8];
-      float xs0[MT], xs1[MT];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        if (mt < mt_live)
-          load_x(x, M, K, m_base + mt * 16 + g, gi, t, A0[mt], A1[mt], xs0[mt], xs1[mt]);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t bq[8];
-        dequant8(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          if (mt < mt_live)
-            group_mma(acc[mt][nt], A0[mt], A1[mt], bq, sword(nt, 2 * par),
-                      sword(nt, 2 * par + 1), xs0[mt], xs1[mt]);
-      }
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (mt >= mt_live) break;
-        uint32_t A0[8], A1[8];
-        float xs0, xs1;
-        load_x(x, M, K, m_base + mt * 16 + g, gi, t, A0, A1, xs0, xs1);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint32_t bq[8];
-          dequant8(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
-          group_mma(acc[mt][nt], A0, A1, bq, sword(nt, 2 * par), sword(nt, 2 * par + 1),
-                    xs0, xs1);
-        }
-      }
-    }
-  }
-}
 """
 
 # Weights and scales are repacked once at load (q4_pack) so that every warp load is one
@@ -272,7 +223,26 @@ _Q4_SOURCE = r"""
       return PIPE ? reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][32 + t])[j]
                   : reinterpret_cast<const uint32_t*>(&sq[nt])[j];
     };
-    chunk_mma<MT, NT, REUSE>(acc, x, M, K, m_base, mt_live, ch, g, t, wword, sword);
+#pragma unroll
+    for (int par = 0; par < 2; ++par) {
+      const int gi = 2 * ch + par;
+      // row tile by row tile: x once per row tile, each column tile dequantized where it
+      // is multiplied (exact, so recomputing it per row tile changes no bits)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt >= mt_live) break;
+        uint32_t A0[8], A1[8];
+        float xs0, xs1;
+        load_x(x, M, K, m_base + mt * 16 + g, gi, t, A0, A1, xs0, xs1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          uint32_t bq[8];
+          dequant8(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
+          group_mma(acc[mt][nt], A0, A1, bq, sword(nt, 2 * par), sword(nt, 2 * par + 1),
+                    xs0, xs1);
+        }
+      }
+    }
     if (PIPE) __syncwarp();  // every lane is done with the slot before it is refilled
   }
 
@@ -300,96 +270,6 @@ _Q4_SOURCE = r"""
   }
 """
 
-# The same products and sums as _Q4_SOURCE, element for element, arranged for many rows:
-# a warp takes its 8*NT columns of 16*MT rows through the whole of K, summing the
-# KSPLIT parts in order as it reaches the end of each (the K-split kernel's warps hold
-# one part each and sum them in warp order: the same additions). The W warps of a block
-# take neighbouring columns of the same rows, so they read the same x, which the L1
-# serves: x comes from L2 once per 8*NT*W columns rather than once per 8*NT, and no
-# shared-memory reduction is needed. Blocks: row blocks fastest, so the row blocks of
-# a column block run together and read its weights from HBM once.
-_Q4_WIDE_SOURCE = r"""
-  const int M = x_shape[0];
-  const int K = x_shape[1];
-  const int N = wp_shape[0] * 8;
-  const int chunks = K / 128;
-  const int per_part = chunks / KSPLIT;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int row_blocks = (M + 16 * MT - 1) / (16 * MT);
-  const int rb = blockIdx.x % row_blocks, cb = blockIdx.x / row_blocks;
-  const int tile0 = (cb * W + warp) * NT;
-  if (tile0 >= N / 8) return;  // no block-wide barrier below: idle warps may leave
-  const int m_base = rb * 16 * MT;
-  const int mt_live = min(MT, (M - m_base + 15) / 16);
-
-  float total[MT][NT][4], acc[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) { total[mt][nt][c] = 0.0f; acc[mt][nt][c] = 0.0f; }
-
-  const uint4* wv = reinterpret_cast<const uint4*>(wp);
-  const uint4* sv = reinterpret_cast<const uint4*>(sp);
-  constexpr int STAGES = 8 / NT;
-  __shared__ uint4 ring[W][STAGES][NT][36];
-  auto issue = [&](int ch) {
-    if (ch < chunks) {
-      const int slot = ch % STAGES;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const size_t piece = (size_t)(tile0 + nt) * chunks + ch;
-        cp_async16(&ring[warp][slot][nt][lane], wv + piece * 32 + lane);
-        if (lane < 4) cp_async16(&ring[warp][slot][nt][32 + lane], sv + piece * 4 + lane);
-      }
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) issue(i);
-#pragma unroll 1
-  for (int ch = 0; ch < chunks; ++ch) {
-    const int slot = ch % STAGES;
-    issue(ch + STAGES - 1);
-    cp_async_wait<STAGES - 1>();
-    __syncwarp();
-    auto wword = [&](int nt, int j) -> uint32_t {
-      return reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][lane])[j];
-    };
-    auto sword = [&](int nt, int j) -> uint32_t {
-      return reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][32 + t])[j];
-    };
-    chunk_mma<MT, NT, REUSE>(acc, x, M, K, m_base, mt_live, ch, g, t, wword, sword);
-    __syncwarp();
-    if ((ch + 1) % per_part == 0) {  // end of a K part: total = p0, then total += p_k
-      const bool first = ch + 1 == per_part;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            total[mt][nt][c] = first ? acc[mt][nt][c] : total[mt][nt][c] + acc[mt][nt][c];
-            acc[mt][nt][c] = 0.0f;
-          }
-    }
-  }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    if (mt >= mt_live) break;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = m_base + mt * 16 + g + (c >= 2 ? 8 : 0);
-        const int col = (tile0 + nt) * 8 + 2 * t + (c & 1);
-        if (row < M) y[(size_t)row * N + col] = __float2bfloat16(total[mt][nt][c]);
-      }
-  }
-"""
-
 # One block (128 threads) per (row, kv head); q [R, Hq*D], pools [blocks*128, D],
 # tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e].
 _ATTENTION_SOURCE = r"""
@@ -401,6 +281,8 @@ _ATTENTION_SOURCE = r"""
   __shared__ float qs[G][D];
   __shared__ float ps[G][128];
   __shared__ float part[G][4];
+  constexpr int DPL = (D + 31) / 32;  // output dimensions per lane in P.V
+  __shared__ float pvs[4][G][DPL * 32];  // each warp's P.V partial
   const size_t base = ((size_t)r * HQ + (size_t)h * G) * D;
   const int tb = row_table[r];
   if (tb < 0) {
@@ -480,26 +362,54 @@ _ATTENTION_SOURCE = r"""
       run_sum[gg] = __fmaf_rn(run_sum[gg], alpha[gg], bsum);
       run_max[gg] = m_new[gg];
     }
-    // P.V: thread d owns output dimension d of every query head of the group
-    if (tid < D) {
+    // P.V: warp w takes keys 32w .. 32w+31 of the block (lane l: dimensions l, l+32, ..),
+    // 8 keys' loads in flight at a time; then thread d sums the warps' partials in warp
+    // order and rescales its running sum: a fixed order, whatever the batch
+    {
       const int n = min(128, pos + 1 - jb * 128);
+      const int j1 = min(n, warp * 32 + 32);
+      const T* vb = vpool + blk * D;
+      float pv[G][DPL];
 #pragma unroll
-      for (int gg = 0; gg < G; ++gg) acc[gg] *= alpha[gg];
-      const T* vcol = vpool + blk * D + tid;
-      int j = 0;
-      for (; j + 16 <= n; j += 16) {  // 16 loads in flight, then the FMAs in key order
-        float v[16];
+      for (int gg = 0; gg < G; ++gg)
 #pragma unroll
-        for (int u = 0; u < 16; ++u) v[u] = static_cast<float>(vcol[(size_t)(j + u) * D]);
+        for (int i = 0; i < DPL; ++i) pv[gg][i] = 0.0f;
+      int j = warp * 32;
+      for (; j + 8 <= j1; j += 8) {
+        float v[8][DPL];
 #pragma unroll
-        for (int u = 0; u < 16; ++u)
+        for (int u = 0; u < 8; ++u)
 #pragma unroll
-          for (int gg = 0; gg < G; ++gg) acc[gg] = __fmaf_rn(ps[gg][j + u], v[u], acc[gg]);
+          for (int i = 0; i < DPL; ++i)
+            v[u][i] = lane + 32 * i < D
+                ? static_cast<float>(vb[(size_t)(j + u) * D + lane + 32 * i]) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+#pragma unroll
+          for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) pv[gg][i] = __fmaf_rn(ps[gg][j + u], v[u][i], pv[gg][i]);
       }
-      for (; j < n; ++j) {
-        const float v = static_cast<float>(vcol[(size_t)j * D]);
+      for (; j < j1; ++j) {
 #pragma unroll
-        for (int gg = 0; gg < G; ++gg) acc[gg] = __fmaf_rn(ps[gg][j], v, acc[gg]);
+        for (int i = 0; i < DPL; ++i) {
+          const float v = lane + 32 * i < D
+              ? static_cast<float>(vb[(size_t)j * D + lane + 32 * i]) : 0.0f;
+#pragma unroll
+          for (int gg = 0; gg < G; ++gg) pv[gg][i] = __fmaf_rn(ps[gg][j], v, pv[gg][i]);
+        }
+      }
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) pvs[warp][gg][lane + 32 * i] = pv[gg][i];
+    }
+    __syncthreads();
+    if (tid < D) {
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg) {
+        const float sum = ((pvs[0][gg][tid] + pvs[1][gg][tid]) + pvs[2][gg][tid]) + pvs[3][gg][tid];
+        acc[gg] = __fmaf_rn(acc[gg], alpha[gg], sum);
       }
     }
     __syncthreads();
@@ -564,6 +474,35 @@ _SWIGLU_SOURCE = r"""
 """
 
 
+# a, b [R, H] -> h = a + b (rounded to T, as an MLX add) and out = rms_norm(h) * w; one
+# block of 256 threads per row, squares summed in a fixed order; params = [eps]
+_ADD_NORM_SOURCE = r"""
+  const int H = a_shape[1];
+  const size_t base = (size_t)blockIdx.x * H;
+  const int tid = threadIdx.x;
+  __shared__ float red[8];
+  float ss = 0.0f;
+  for (int i = tid; i < H; i += 256) {
+    const T hv = static_cast<T>(static_cast<float>(a[base + i]) + static_cast<float>(b[base + i]));
+    h[base + i] = hv;
+    const float f = static_cast<float>(hv);
+    ss = __fmaf_rn(f, f, ss);
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((tid & 31) == 0) red[tid >> 5] = ss;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) total += red[k];
+  const float inv = rsqrtf(total / H + params[0]);
+  for (int i = tid; i < H; i += 256) {
+    const float f = static_cast<float>(
+        static_cast<T>(static_cast<float>(a[base + i]) + static_cast<float>(b[base + i])));
+    out[base + i] = static_cast<T>(f * inv * static_cast<float>(w[i]));
+  }
+"""
+
+
 def enabled() -> bool:
     """Kernels run on a CUDA GPU unless SLOTSERVE_CUDA_KERNELS=0."""
     return (os.environ.get("SLOTSERVE_CUDA_KERNELS", "1") != "0"
@@ -574,11 +513,11 @@ def enabled() -> bool:
 def _kernel(name: str) -> Any:
     sources = {
         "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE),
-        "q4_wide": (["x", "wp", "sp"], ["y"], _Q4_WIDE_SOURCE),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
                             ["out"], _ATTENTION_SOURCE),
         "rope_split": (["qkv", "cos_t", "sin_t", "positions"], ["q", "k", "v"], _ROPE_SOURCE),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE),
+        "add_rms_norm": (["a", "b", "w", "params"], ["h", "out"], _ADD_NORM_SOURCE),
     }
     inputs, outputs, body = sources[name]
     return mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=inputs,
@@ -631,76 +570,27 @@ def _row_tiles(m: int) -> int:
     return 1 if m <= 16 else 2 if m <= 32 else 4 if m <= 64 else 8
 
 
-def _column_tile_choices(n: int, mt: int) -> list[int]:
-    """Column tiles of 8 per block (NT) that fit n and the accumulator registers."""
-    return [nt for nt in (1, 2, 4) if n % (8 * nt) == 0 and mt * nt <= 16]
+def _column_tiles(n: int, mt: int) -> int:
+    """Column tiles of 8 per block (NT) for n output columns at mt row tiles.
 
-
-def _launch_choices(n: int, mt: int) -> list[tuple[int, bool, int]]:
-    """Launch shapes (NT, REUSE, W) tune_q4 tries: W = 0 is the K-split kernel, W > 0 the
-    wide one with W warps per block (above one row tile, and accumulators that fit)."""
-    split = [(nt, reuse, 0) for nt in _column_tile_choices(n, mt)
-             for reuse in ((False, True) if mt > 1 else (False,))]
-    wide = [(nt, reuse, w) for nt, reuse, w in ((1, False, 8), (2, False, 8), (2, True, 8),
-                                                (2, False, 4), (4, False, 4))
-            if mt > 1 and n % (8 * nt) == 0 and mt * nt <= 8]
-    return split + wide
-
-
-def _launch_name(launch: tuple[int, bool, int]) -> str:
-    nt, reuse, w = launch
-    return f"nt{nt}" + ("-reuse" if reuse else "") + (f"-wide{w}" if w else "")
-
-
-# (N, K, MT) -> (NT, REUSE, W) found fastest by tune_q4 on this GPU (all give the same bits)
-_tuned: dict[tuple[int, int, int], tuple[int, bool, int]] = {}
-last_tuning: dict[str, str] = {}  # tune_q4's latest choices, for the benchmark report
-
-
-def tune_q4(weights: list[tuple[mx.array, mx.array]], rounds: int = 3) -> dict[str, str]:
-    """Time each launch shape per weight shape and row tile; keep the fastest.
-
-    A launch shape is the kernel (K split over a block's warps, or whole K per warp with
-    neighbouring warps sharing x), the column tiles per warp, and whether x is held for
-    all row tiles. Launch shape only: every one computes every element the same way, so
-    tuning can never change a token. Each timed batch takes each of the model's matrices
-    of that shape once (up to 32), so weights come from HBM as in a step rather than from
-    the L2 (a 4096 x 4096 layer is 9 MB); the shapes are timed in turn, `rounds` times,
-    and each keeps its best round. Returns {"NxK/rows": name} for the logs.
+    From each launch shape's GPU time under Nsight Compute on the H200, caches flushed
+    before each kernel as in a step (bench/gpu_profile.py --launches;
+    bench/results-gpu/run-f-launches.json): 4 tiles for wide matrices at up to 32 rows
+    (gate+up at 1 row 43.6 us vs 50.9 at 2 tiles), 2 elsewhere (down at 1 row 29.0 vs
+    33.2; every shape at 64 and 128 rows). Launch shape only: every width computes every
+    element the same way. Start-up timing on the host chose among these by noise (the
+    ~20-40 us it costs to launch a kernel hides the GPU's differences), so it was removed.
     """
-    shapes: dict[tuple[int, int], list[tuple[mx.array, mx.array]]] = {}
-    for wp, sp in weights:
-        shapes.setdefault((wp.shape[0] * 8, wp.shape[1] * 128), []).append((wp, sp))
-    chosen: dict[str, str] = {}
-    for (n, k), mats in shapes.items():
-        mats = (mats[:32] * 8)[: max(8, min(32, len(mats)))]  # >= 8 calls a batch
-        for mt in (1, 2, 4, 8):
-            x = mx.random.normal((16 * mt, k), key=mx.random.key(mt)).astype(mx.bfloat16)
-            launches = _launch_choices(n, mt)
-            for nt, reuse, w in launches:  # compile and warm
-                mx.eval(q4_matmul(x, *mats[0], nt=nt, reuse=reuse, warps=w))
-            times = dict.fromkeys(launches, float("inf"))
-            for _ in range(rounds):
-                for nt, reuse, w in launches:
-                    t0 = time.perf_counter()
-                    mx.eval([q4_matmul(x, *mat, nt=nt, reuse=reuse, warps=w) for mat in mats])
-                    dt = time.perf_counter() - t0
-                    times[(nt, reuse, w)] = min(times[(nt, reuse, w)], dt)
-            best = min(times, key=lambda launch: times[launch])
-            _tuned[(n, k, mt)] = best
-            chosen[f"{n}x{k}/{16 * mt}"] = _launch_name(best)
-    last_tuning.update(chosen)
-    return chosen
+    if mt <= 2 and n % 32 == 0 and (n >= 16384 or (mt == 2 and n > 4096)):
+        return 4
+    return 2 if n % 16 == 0 else 1
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
-              pipelined: bool = True, ksplit: int | None = None,
-              reuse: bool | None = None, warps: int | None = None) -> mx.array:
+              pipelined: bool = True, ksplit: int | None = None) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
-    nt (column tiles per warp), pipelined, reuse (above 16 rows: hold every row tile's x
-    and dequantize each weight once) and warps (> 0: the wide kernel with that many warps
-    per block; 0: K split over a block's warps) change only the speed, never the bits;
+    nt (column tiles per block) and pipelined change only the speed, never the bits;
     ksplit changes the summation order and is for the micro-benchmark only (the engine
     keeps the one derived from K, which is what makes rows batch-invariant).
     """
@@ -708,28 +598,10 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
     n = wp.shape[0] * 8
     ksplit = ksplit or _k_split(k // 128)
     mt = _row_tiles(m)
-    tuned = _tuned.get((n, k, mt))
-    if nt is None:  # tuned for this GPU, else wide blocks for big N at few rows
-        nt = tuned[0] if tuned else (4 if n % 32 == 0 and n >= 16384 and mt <= 4 else 2)
-    if reuse is None:
-        reuse = tuned[1] if tuned else False
-    if warps is None:
-        warps = tuned[2] if tuned else 0
-    template = [("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("REUSE", reuse and mt > 1)]
-    if warps:
-        col_blocks = -(-n // (8 * nt * warps))
-        (y,) = _kernel("q4_wide")(
-            inputs=[x.astype(mx.bfloat16), wp, sp],
-            template=[*template, ("W", warps)],
-            grid=(col_blocks * -(-m // (16 * mt)) * 32 * warps, 1, 1),
-            threadgroup=(32 * warps, 1, 1),
-            output_shapes=[(m, n)],
-            output_dtypes=[mx.bfloat16],
-        )
-        return y
+    nt = nt or _column_tiles(n, mt)
     (y,) = _kernel("q4_matmul")(
         inputs=[x.astype(mx.bfloat16), wp, sp],
-        template=[*template, ("PIPE", pipelined)],
+        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined)],
         grid=(n // (8 * nt) * 32 * ksplit, -(-m // (16 * mt)), 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n)],
@@ -813,3 +685,23 @@ def swiglu(gate_up: mx.array) -> mx.array:
         output_dtypes=[gate_up.dtype],
     )
     return out
+
+
+@cache
+def _eps_params(eps: float) -> mx.array:
+    return mx.array([eps], dtype=mx.float32)
+
+
+def add_rms_norm(a: mx.array, b: mx.array, weight: mx.array,
+                 eps: float) -> tuple[mx.array, mx.array]:
+    """Residual add and the RMS norm after it in one launch: (a + b, rms_norm(a + b) * w)."""
+    r, hidden = a.shape
+    h, out = _kernel("add_rms_norm")(
+        inputs=[a, b, weight, _eps_params(eps)],
+        template=[("T", a.dtype)],
+        grid=(r * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(r, hidden), (r, hidden)],
+        output_dtypes=[a.dtype, a.dtype],
+    )
+    return h, out

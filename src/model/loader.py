@@ -12,8 +12,6 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
-from slotserve.kernels import cuda
-from slotserve.kernels.invariance import linears
 from slotserve.model.config import ModelConfig, config_from_gguf, config_from_hf
 from slotserve.model.errors import ModelLoadError, UnsupportedModelError
 from slotserve.model.families import model_class
@@ -155,10 +153,6 @@ def load(path: str | Path | None = None, device: str = "auto", with_tokenizer: b
         if progress is not None:
             progress(i + 1, cfg.num_layers)
     eval_model(model)
-    if dev == "gpu" and cuda.enabled():
-        tiles = cuda.tune_q4([lin.q4 for lin in linears(model) if lin.q4 is not None])
-        if tiles:
-            log.info("4-bit kernel launch shapes tuned", column_tiles=tiles)
     report = None
     if probe_rows:
         from slotserve.kernels.invariance import probe_model
