@@ -331,9 +331,12 @@ def eval_us_per_op(ops: int = 400) -> dict[str, float]:
             best = min(best, time.perf_counter() - t1 + (t1 - t0))
         return round(best / ops * 1e6, 2)
 
-    out = {"mlx_add": chain(lambda y: y + x)}
+    out = {"mlx_add": chain(lambda y: y + x),
+           "mlx_rms_norm": chain(lambda y: mx.fast.rms_norm(y, w, 1e-5)),
+           "mlx_concat": chain(lambda y: mx.concatenate([y, y], axis=1)[:, :256])}
     if cuda.enabled():
-        out["slotserve_add_rms_norm"] = chain(lambda y: cuda.add_rms_norm(y, x, w, 1e-5)[1])
+        out["slotserve_swiglu_after_concat"] = chain(
+            lambda y: cuda.swiglu(mx.concatenate([y, y], axis=1)))
     emit({"eval_us_per_op": out})
     return out
 

@@ -474,35 +474,6 @@ _SWIGLU_SOURCE = r"""
 """
 
 
-# a, b [R, H] -> h = a + b (rounded to T, as an MLX add) and out = rms_norm(h) * w; one
-# block of 256 threads per row, squares summed in a fixed order; params = [eps]
-_ADD_NORM_SOURCE = r"""
-  const int H = a_shape[1];
-  const size_t base = (size_t)blockIdx.x * H;
-  const int tid = threadIdx.x;
-  __shared__ float red[8];
-  float ss = 0.0f;
-  for (int i = tid; i < H; i += 256) {
-    const T hv = static_cast<T>(static_cast<float>(a[base + i]) + static_cast<float>(b[base + i]));
-    h[base + i] = hv;
-    const float f = static_cast<float>(hv);
-    ss = __fmaf_rn(f, f, ss);
-  }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((tid & 31) == 0) red[tid >> 5] = ss;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) total += red[k];
-  const float inv = rsqrtf(total / H + params[0]);
-  for (int i = tid; i < H; i += 256) {
-    const float f = static_cast<float>(
-        static_cast<T>(static_cast<float>(a[base + i]) + static_cast<float>(b[base + i])));
-    out[base + i] = static_cast<T>(f * inv * static_cast<float>(w[i]));
-  }
-"""
-
-
 def enabled() -> bool:
     """Kernels run on a CUDA GPU unless SLOTSERVE_CUDA_KERNELS=0."""
     return (os.environ.get("SLOTSERVE_CUDA_KERNELS", "1") != "0"
@@ -517,7 +488,6 @@ def _kernel(name: str) -> Any:
                             ["out"], _ATTENTION_SOURCE),
         "rope_split": (["qkv", "cos_t", "sin_t", "positions"], ["q", "k", "v"], _ROPE_SOURCE),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE),
-        "add_rms_norm": (["a", "b", "w", "params"], ["h", "out"], _ADD_NORM_SOURCE),
     }
     inputs, outputs, body = sources[name]
     return mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=inputs,
@@ -685,23 +655,3 @@ def swiglu(gate_up: mx.array) -> mx.array:
         output_dtypes=[gate_up.dtype],
     )
     return out
-
-
-@cache
-def _eps_params(eps: float) -> mx.array:
-    return mx.array([eps], dtype=mx.float32)
-
-
-def add_rms_norm(a: mx.array, b: mx.array, weight: mx.array,
-                 eps: float) -> tuple[mx.array, mx.array]:
-    """Residual add and the RMS norm after it in one launch: (a + b, rms_norm(a + b) * w)."""
-    r, hidden = a.shape
-    h, out = _kernel("add_rms_norm")(
-        inputs=[a, b, weight, _eps_params(eps)],
-        template=[("T", a.dtype)],
-        grid=(r * 256, 1, 1),
-        threadgroup=(256, 1, 1),
-        output_shapes=[(r, hidden), (r, hidden)],
-        output_dtypes=[a.dtype, a.dtype],
-    )
-    return h, out

@@ -109,10 +109,6 @@ class Model:
         head = w.get("lm_head.weight")
         self.lm_head = self.embed.as_linear() if head is None else Linear(head, dtype, quant)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype)
-        # on the GPU each residual add runs fused with the norm after it (blocks that keep
-        # llama's __call__ only: the fused loop below is that __call__, unrolled)
-        self.fused_residual = (cuda.enabled() and dtype == mx.bfloat16 and all(
-            type(layer).__call__ is Block.__call__ for layer in self.layers))
 
     def new_kv(self) -> SlotKV:
         """A slot's KV, backed by this model's shared page pool."""
@@ -120,23 +116,6 @@ class Model:
             c = self.config
             self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
         return SlotKV(self.kv_pool)
-
-    def _blocks_fused(self, x: mx.array, batch: Batch, cos: mx.array,
-                      sin: mx.array) -> mx.array:
-        """Block.__call__ layer after layer, each residual add in one kernel with the norm
-        that reads it (half the small launches of a step: a launch costs the host more
-        than these kernels cost the GPU)."""
-        eps = self.config.rms_norm_eps
-        h, normed = x, rms_norm(x, self.layers[0].in_norm, eps)
-        delta: mx.array | None = None  # the previous block's MLP output, not yet added
-        for i, layer in enumerate(self.layers):
-            if delta is not None:
-                h, normed = cuda.add_rms_norm(h, delta, layer.in_norm, eps)
-            attn = layer.attn(normed, batch, i, cos, sin, self.rope)
-            h, normed = cuda.add_rms_norm(h, attn, layer.post_norm, eps)
-            delta = layer.mlp(normed)
-        assert delta is not None
-        return h + delta
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         return self.embed(tokens)
@@ -149,11 +128,8 @@ class Model:
         max_pos = max(s.start + s.length for s in batch.segments)
         cos, sin = self.rope.tables(batch.positions, max_pos)
         x = self.embed_tokens(batch.pad_tokens(tokens))
-        if self.fused_residual:
-            x = self._blocks_fused(x, batch, cos, sin)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, batch, i, cos, sin, self.rope)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, i, cos, sin, self.rope)
         if not logit_rows:
             return None
         x = x[mx.array(logit_rows, dtype=mx.int32)]
