@@ -73,10 +73,12 @@ def launches(shapes: list[tuple[int, int]], rows: list[int]) -> None:
         packed = cuda.q4_pack(*mx.quantize(w, group_size=64, bits=4))
         for m in rows:
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            for nt in (1, 2, 4):
-                if n % (8 * nt) == 0:
-                    cases.append((f"{m}_n{n}k{k}_nt{nt}", lambda x=x, p=packed, nt=nt:
-                                  cuda.q4_matmul(x, *p, nt=nt)))
+            mt = cuda._row_tiles(m)
+            for nt, stages in ((1, 8), (2, 4), (2, 8), (4, 2), (4, 4), (8, 2), (8, 3)):
+                if n % (8 * nt) == 0 and mt * nt <= 16:
+                    cases.append((f"{m}_n{n}k{k}_nt{nt}_s{stages}",
+                                  lambda x=x, p=packed, nt=nt, st=stages:
+                                  cuda.q4_matmul(x, *p, nt=nt, stages=st)))
     for _, run in cases:  # compile and warm, outside the profiled range
         mx.eval(run())
     mx.synchronize()

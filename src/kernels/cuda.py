@@ -155,8 +155,11 @@ _Q4_SOURCE = r"""
   const int chunks = K / 128;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int tile0 = blockIdx.x * NT;
-  const int m_base = blockIdx.y * 16 * MT;
+  // the row blocks of a column block are neighbours in launch order, so they run together
+  // and the second reads the weights from L2, not HBM
+  const int row_blocks = (M + 16 * MT - 1) / (16 * MT);
+  const int tile0 = (blockIdx.x / row_blocks) * NT;
+  const int m_base = (blockIdx.x % row_blocks) * 16 * MT;
   const int per_warp = chunks / KSPLIT;
   const int c0 = warp * per_warp;
   const int mt_live = min(MT, (M - m_base + 15) / 16);
@@ -175,11 +178,10 @@ _Q4_SOURCE = r"""
   // PIPE: each warp streams its chunks through its own ring of STAGES shared-memory slots
   // with cp.async (STAGES - 1 chunks in flight, no registers held for them); otherwise
   // plain loads. The arithmetic is the same either way (the tests check the bits).
-  // the rings share their memory with the K-split reduction at the end (36.9 KB at most)
-  constexpr int STAGES = 8 / NT;
-  constexpr int RING = PIPE ? KSPLIT * STAGES * NT * 36 : 0;  // uint4: 32 weights + 4 scales
-  constexpr int RED = KSPLIT * NT * 4 * 32 / 4;
-  __shared__ uint4 smem[RING > RED ? RING : RED];
+  // the rings share their memory with the K-split reduction at the end
+  // STAGES (a template argument) slots per warp; the memory is dynamic shared memory sized
+  // by q4_matmul (over 48 KB when a deep ring or 8 column tiles ask for it)
+  extern __shared__ uint4 smem[];
   auto ring = reinterpret_cast<uint4 (*)[STAGES][NT][36]>(smem);
   auto red = reinterpret_cast<float (*)[NT * 4][32]>(smem);
   auto issue = [&](int i) {  // chunk c0 + i into its slot
@@ -481,7 +483,9 @@ def enabled() -> bool:
 
 
 @cache
-def _kernel(name: str) -> Any:
+def _kernel(name: str, shared_memory: int = 0) -> Any:
+    """The kernel object; one per dynamic shared-memory size (MLX fixes it per object, and
+    every template instantiation of q4_matmul always asks for the same size)."""
     sources = {
         "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
@@ -491,7 +495,8 @@ def _kernel(name: str) -> Any:
     }
     inputs, outputs, body = sources[name]
     return mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=inputs,
-                               output_names=outputs, source=body, header=_HEADER)
+                               output_names=outputs, source=body, header=_HEADER,
+                               shared_memory=shared_memory)
 
 
 # ---- 4-bit matmul --------------------------------------------------------------------
@@ -540,6 +545,18 @@ def _row_tiles(m: int) -> int:
     return 1 if m <= 16 else 2 if m <= 32 else 4 if m <= 64 else 8
 
 
+def _stages(nt: int) -> int:
+    """Ring slots per warp: 8 chunks' worth of column tiles, at least 2 (one in flight)."""
+    return max(2, 8 // nt)
+
+
+def _shared_bytes(nt: int, ksplit: int, stages: int, pipelined: bool) -> int:
+    """Dynamic shared memory of a q4_matmul launch: the rings, or the K-split reduction."""
+    ring = ksplit * stages * nt * 36 * 16 if pipelined else 0  # 32 weight + 4 scale uint4
+    reduction = ksplit * nt * 4 * 32 * 4
+    return max(ring, reduction)
+
+
 def _column_tiles(n: int, mt: int) -> int:
     """Column tiles of 8 per block (NT) for n output columns at mt row tiles.
 
@@ -557,7 +574,8 @@ def _column_tiles(n: int, mt: int) -> int:
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
-              pipelined: bool = True, ksplit: int | None = None) -> mx.array:
+              pipelined: bool = True, ksplit: int | None = None,
+              stages: int | None = None) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
     nt (column tiles per block) and pipelined change only the speed, never the bits;
@@ -569,10 +587,12 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
     ksplit = ksplit or _k_split(k // 128)
     mt = _row_tiles(m)
     nt = nt or _column_tiles(n, mt)
-    (y,) = _kernel("q4_matmul")(
+    stages = stages or _stages(nt)
+    (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages, pipelined))(
         inputs=[x.astype(mx.bfloat16), wp, sp],
-        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined)],
-        grid=(n // (8 * nt) * 32 * ksplit, -(-m // (16 * mt)), 1),
+        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined),
+                  ("STAGES", stages)],
+        grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[mx.bfloat16],
