@@ -564,13 +564,14 @@ def _column_tiles(n: int, mt: int) -> int:
     before each kernel as in a step (bench/gpu_profile.py --launches;
     bench/results-gpu/run-f-launches.json): 4 tiles for wide matrices at up to 32 rows
     (gate+up at 1 row 43.6 us vs 50.9 at 2 tiles), 2 elsewhere (down at 1 row 29.0 vs
-    33.2; every shape at 64 and 128 rows). Launch shape only: every width computes every
-    element the same way. Start-up timing on the host chose among these by noise (the
-    ~20-40 us it costs to launch a kernel hides the GPU's differences), so it was removed.
+    33.2; every shape measured at 64 and 128 rows). Launch shape only: every width
+    computes every element the same way. Start-up timing on the host chose among these by
+    noise (a custom kernel costs the host ~10-27 us to launch, more than the GPU-time
+    differences), so it was removed. n is a multiple of 16 (q4_supported).
     """
     if mt <= 2 and n % 32 == 0 and (n >= 16384 or (mt == 2 and n > 4096)):
         return 4
-    return 2 if n % 16 == 0 else 1
+    return 2
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
