@@ -110,29 +110,26 @@ if want tests; then
     | tee "$OUT/tests.log" | tail -25
 fi
 
+# run a python command under Nsight Compute, GPU time per kernel into $OUT/$1.csv, then
+# summarize it into $OUT/$1.json (bench/gpu_profile.py)
+ncu_stage() {
+  local name=$1; shift
+  if ! command -v ncu >/dev/null; then echo "ncu absent: no profile"; return; fi
+  timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
+    --metrics gpu__time_duration.sum --csv --log-file "$OUT/$name.csv" \
+    $PY "$@" 2>&1 | grep -v '^==PROF==' | tail -5
+  $PY bench/gpu_profile.py --summarize "$OUT/$name.csv" > "$OUT/$name.json"
+}
+
 if want profile; then
   stage "profile: one decode step kernel by kernel (ncu), 1 and 64 rows"
-  if command -v ncu >/dev/null; then
-    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
-      --metrics gpu__time_duration.sum --csv --log-file "$OUT/profile.csv" \
-      $PY bench/gpu_profile.py "$LLAMA" --rows 1,64 2>&1 | grep -v '^==PROF==' | tail -5
-    $PY bench/gpu_profile.py --summarize "$OUT/profile.csv" > "$OUT/profile.json"
-    head -c 3000 "$OUT/profile.json"; echo
-  else
-    echo "ncu absent: no profile"
-  fi
+  ncu_stage profile bench/gpu_profile.py "$LLAMA" --rows 1,64
+  [ -f "$OUT/profile.json" ] && { head -c 3000 "$OUT/profile.json"; echo; }
 fi
 
 if want launches; then
-  stage "launches: every 4-bit launch shape on the 8B weight shapes (ncu), 1 and 64 rows"
-  if command -v ncu >/dev/null; then
-    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
-      --metrics gpu__time_duration.sum --csv --log-file "$OUT/launches.csv" \
-      $PY bench/gpu_profile.py --launches --rows 1,32,64,128 2>&1 | grep -v '^==PROF==' | tail -5
-    $PY bench/gpu_profile.py --summarize "$OUT/launches.csv" > "$OUT/launches.json"
-  else
-    echo "ncu absent: no profile"
-  fi
+  stage "launches: every 4-bit launch shape on the 8B weight shapes (ncu), 1-128 rows"
+  ncu_stage launches bench/gpu_profile.py --launches --rows 1,32,64,128
 fi
 
 if want micro; then

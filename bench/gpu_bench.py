@@ -341,6 +341,8 @@ def eval_us_per_op(ops: int = 400) -> dict[str, float]:
     return out
 
 
+# Llama-3-8B's Linear shapes [out, in]: QKV, O, gate+up, down, lm_head
+LLAMA3_8B_LINEARS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
 L2_BYTES = 50 * 2**20  # the H200's L2: weights timed must not stay resident between calls
 
 
@@ -395,9 +397,7 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
 def micro_matmul(rows: tuple[int, ...] = (1, 8, 64, 128)) -> list[dict[str, Any]]:
     """4-bit (group 64; MLX's kernel and slotserve's) vs bf16 matmuls of Llama-3-8B's
     shapes (QKV, O, gate+up, down, lm_head) at several row counts."""
-    return [r for n_out, n_in in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
-                                  (128256, 4096))
-            for r in _matmul_case(n_out, n_in, rows)]
+    return [r for n_out, n_in in LLAMA3_8B_LINEARS for r in _matmul_case(n_out, n_in, rows)]
 
 
 def _attention_case(n: int, span: int, kv_heads: int, head_dim: int,

@@ -21,6 +21,8 @@ import json
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,25 +40,37 @@ def _marker(tag: str) -> None:
     mx.eval(b)
 
 
+@contextmanager
+def _profiled() -> Iterator[None]:
+    """ncu records kernels only inside this (it runs with --profile-from-start off)."""
+    import mlx.core as mx
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    mx.synchronize()
+    driver.cuProfilerStart()
+    try:
+        yield
+    finally:
+        mx.synchronize()
+        driver.cuProfilerStop()
+
+
 def profile(model_path: str, rows: list[int], ctx: int) -> None:
     import mlx.core as mx
     from gpu_bench import _kv_arrays, decode_step, prefilled_slots
 
     from slotserve.model.loader import load
 
-    cuda = ctypes.CDLL("libcuda.so.1")
     lm = load(model_path, device="gpu", with_tokenizer=False, probe_rows=None)
     for n in rows:
         kvs, tok = prefilled_slots(lm.model, n, ctx)
         for s in range(3):  # warm: every kernel of a step compiled and cached
             tok = decode_step(lm.model, kvs, tok, ctx + s)
             mx.eval(tok, _kv_arrays(kvs))
-        cuda.cuProfilerStart()
-        _marker(str(n))
-        tok = decode_step(lm.model, kvs, tok, ctx + 3)
-        mx.eval(tok, _kv_arrays(kvs))
-        mx.synchronize()
-        cuda.cuProfilerStop()
+        with _profiled():
+            _marker(str(n))
+            tok = decode_step(lm.model, kvs, tok, ctx + 3)
+            mx.eval(tok, _kv_arrays(kvs))
 
 
 def launches(shapes: list[tuple[int, int]], rows: list[int]) -> None:
@@ -81,13 +95,10 @@ def launches(shapes: list[tuple[int, int]], rows: list[int]) -> None:
                                   cuda.q4_matmul(x, *p, nt=nt, stages=st)))
     for _, run in cases:  # compile and warm, outside the profiled range
         mx.eval(run())
-    mx.synchronize()
-    ctypes.CDLL("libcuda.so.1").cuProfilerStart()
-    for tag, run in cases:
-        _marker(tag)
-        mx.eval(run())
-    mx.synchronize()
-    ctypes.CDLL("libcuda.so.1").cuProfilerStop()
+    with _profiled():
+        for tag, run in cases:
+            _marker(tag)
+            mx.eval(run())
 
 
 def _short(name: str) -> str:
@@ -109,9 +120,9 @@ def summarize(csv_path: Path) -> dict[str, Any]:
         if marker:
             current = steps.setdefault(marker.group(1), defaultdict(lambda: [0, 0.0]))
             continue
-        name = _short(row["Kernel Name"])
         if current is None:
             continue
+        name = _short(row["Kernel Name"])
         scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
                  "msecond": 1e3}[row["Metric Unit"]]
         entry = current[name]
@@ -145,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         import mlx.core as mx
 
         mx.set_default_device(mx.gpu)
-        launches([(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
-                 rows)
+        from gpu_bench import LLAMA3_8B_LINEARS
+
+        launches(list(LLAMA3_8B_LINEARS), rows)
         return 0
     profile(args.model, rows, args.ctx)
     return 0
