@@ -2,7 +2,8 @@
 # slotserve on the lent GPU: the one command to run there after staging MLX's CUDA wheels
 # (see docs/benchmarks.md, "GPU (H200)"):
 #   source .gpu2/install.sh && bash bench/gpu.sh [STAGE ...]
-# Stages (default: all, in this order): env synth bench tests profile launches micro bf16 peer moe
+# Stages (default: all, in this order): env synth bench tests profile launches detail micro bf16
+#   peer moe
 #   env    machine, versions, quick kernel checks (quantized matmul by rows, gather_qmm)
 #   synth  random-weight llama3-8b, MLX 4-bit (slotserve synth) under $SYNTH_DIR
 #   bench  bench/gpu_bench.py on it: probe, engine invariance, N sweep, TTFT, runner split
@@ -10,6 +11,7 @@
 #          machine MLX JIT-compiles its CUDA kernels first (minutes; cached in MLX_PTX_CACHE_DIR)
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
+#   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention, both methods
 #   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
 #   peer   bench/peer_transformers.py: transformers generate_batch, bf16, same 8B shape
@@ -41,7 +43,7 @@ if [ -f .gpucache/mlx-ptx.tgz ]; then
     && echo "restored MLX kernel cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries"
 fi
 PY=${PY:-python3}
-STAGES=" ${*:-env synth bench tests profile launches micro bf16 peer moe} "
+STAGES=" ${*:-env synth bench tests profile launches detail micro bf16 peer moe} "
 LLAMA=$SYNTH_DIR/llama3-8b-mlx4
 LLAMA_BF16=$SYNTH_DIR/llama3-8b-bf16
 MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
@@ -130,6 +132,17 @@ fi
 if want launches; then
   stage "launches: every 4-bit launch shape on the 8B weight shapes (ncu), 1-128 rows"
   ncu_stage launches bench/gpu_profile.py --launches --rows 1,32,64,128
+fi
+
+if want detail; then
+  stage "detail: ncu's detailed sections for the engine's 4-bit launches (gate+up, down, lm_head), 1 and 64 rows"
+  if command -v ncu >/dev/null; then
+    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
+      --set detailed -k regex:slotserve_q4 \
+      $PY bench/gpu_profile.py --launches --rule-only --rows 1,64 > "$OUT/detail.txt" 2>&1
+    grep -E "slotserve_q4|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Hit|L2 Hit|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|stalled" \
+      "$OUT/detail.txt" | cut -c1-220 | head -150
+  fi
 fi
 
 if want micro; then

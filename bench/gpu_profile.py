@@ -73,10 +73,24 @@ def profile(model_path: str, rows: list[int], ctx: int) -> None:
             mx.eval(tok, _kv_arrays(kvs))
 
 
-def launches(shapes: list[tuple[int, int]], rows: list[int]) -> None:
+# launch shapes swept per row count: (row tiles, column tiles, ring stages, x prefetch)
+LAUNCH_SWEEP: dict[int, list[tuple[int, int, int, bool]]] = {
+    1: [(1, 2, 4, False), (1, 2, 8, False), (1, 4, 2, False), (1, 4, 4, False),
+        (1, 8, 2, False), (1, 8, 3, False)],
+    32: [(1, 4, 4, False), (1, 8, 2, False), (2, 2, 4, False), (2, 4, 2, False),
+         (2, 4, 4, False), (2, 8, 2, False), (2, 2, 4, True), (2, 4, 2, True)],
+    64: [(1, 8, 2, False), (2, 4, 2, False), (2, 8, 2, False), (2, 4, 2, True),
+         (4, 2, 4, False), (4, 2, 4, True), (4, 4, 2, False), (4, 4, 2, True)],
+    128: [(2, 4, 2, False), (2, 8, 2, False), (4, 2, 4, False), (4, 2, 4, True),
+          (4, 4, 2, False), (8, 2, 2, False)],
+}
+
+
+def launches(shapes: list[tuple[int, int]], rows: list[int], *, rule_only: bool = False) -> None:
     """Each launch shape of slotserve's 4-bit kernels once per (weight shape, row count),
     behind a marker naming it: ncu's log then holds every variant's GPU time, caches
-    flushed before each as in a step (cuda._column_tiles is chosen from these)."""
+    flushed before each as in a step (cuda._column_tiles is chosen from these).
+    rule_only: just the launch the engine makes (for ncu's detailed sections)."""
     import mlx.core as mx
 
     from slotserve.kernels import cuda
@@ -87,12 +101,15 @@ def launches(shapes: list[tuple[int, int]], rows: list[int]) -> None:
         packed = cuda.q4_pack(*mx.quantize(w, group_size=64, bits=4))
         for m in rows:
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            mt = cuda._row_tiles(m)
-            for nt, stages in ((1, 8), (2, 4), (2, 8), (4, 2), (4, 4), (8, 2), (8, 3)):
-                if n % (8 * nt) == 0 and mt * nt <= 16:
-                    cases.append((f"{m}_n{n}k{k}_nt{nt}_s{stages}",
-                                  lambda x=x, p=packed, nt=nt, st=stages:
-                                  cuda.q4_matmul(x, *p, nt=nt, stages=st)))
+            if rule_only:
+                cases.append((f"{m}_n{n}k{k}_rule", lambda x=x, p=packed: cuda.q4_matmul(x, *p)))
+                continue
+            for mt, nt, stages, xpf in LAUNCH_SWEEP.get(m, []):
+                if n % (8 * nt) == 0:
+                    cases.append((f"{m}_n{n}k{k}_mt{mt}_nt{nt}_s{stages}{'_xpf' * xpf}",
+                                  lambda x=x, p=packed, a=(mt, nt, stages, xpf):
+                                  cuda.q4_matmul(x, *p, mt=a[0], nt=a[1], stages=a[2],
+                                                 xpf=a[3])))
     for _, run in cases:  # compile and warm, outside the profiled range
         mx.eval(run())
     with _profiled():
@@ -145,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summarize", type=Path, help="an ncu CSV log: print the summary")
     p.add_argument("--launches", action="store_true",
                    help="no model: every 4-bit launch shape on Llama-3-8B's weight shapes")
+    p.add_argument("--rule-only", action="store_true",
+                   help="with --launches: only the engine's launch, on gate+up and down")
     args = p.parse_args(argv)
     if args.summarize:
         json.dump(summarize(args.summarize), sys.stdout, indent=1)
@@ -158,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         mx.set_default_device(mx.gpu)
         from gpu_bench import LLAMA3_8B_LINEARS
 
-        launches(list(LLAMA3_8B_LINEARS), rows)
+        shapes = list(LLAMA3_8B_LINEARS)
+        if args.rule_only:
+            shapes = [(n, k) for n, k in shapes if max(n, k) > 8192]
+        launches(shapes, rows, rule_only=args.rule_only)
         return 0
     profile(args.model, rows, args.ctx)
     return 0

@@ -92,22 +92,28 @@ __device__ __forceinline__ float sum16(uint4 a, uint4 b) {
   return s;
 }
 
-// rows r0 = row and r1 = row + 8 of x, k = 64*gi + 16t .. +15, as mma A fragments (zeros
-// past M), and each row's sum over the whole group (this thread's 16, then its quad)
-__device__ __forceinline__ void load_x(const __nv_bfloat16* x, int M, int K, int row, int gi,
-                                       int t, uint32_t* A0, uint32_t* A1, float& xs0,
-                                       float& xs1) {
-  uint4 a0 = make_uint4(0, 0, 0, 0), a1 = a0, b0 = a0, b1 = a0;
+// rows r0 = row and r1 = row + 8 of x, k = 64*gi + 16t .. +15 (zeros past M): xr[0..1]
+// row r0, xr[2..3] row r1; the loads only, so a caller can issue several row tiles' at once
+__device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, int row, int gi,
+                                        int t, uint4* xr) {
+  xr[0] = xr[1] = xr[2] = xr[3] = make_uint4(0, 0, 0, 0);
   if (row < M) {
     const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)row * K + gi * 64 + 16 * t);
-    a0 = p[0];
-    a1 = p[1];
+    xr[0] = p[0];
+    xr[1] = p[1];
   }
   if (row + 8 < M) {
     const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)(row + 8) * K + gi * 64 + 16 * t);
-    b0 = p[0];
-    b1 = p[1];
+    xr[2] = p[0];
+    xr[3] = p[1];
   }
+}
+
+// fetch_x's values as mma A fragments, and each row's sum over the whole group (this
+// thread's 16, then its quad)
+__device__ __forceinline__ void frag_x(const uint4* xr, uint32_t* A0, uint32_t* A1, float& xs0,
+                                       float& xs1) {
+  const uint4 a0 = xr[0], a1 = xr[1], b0 = xr[2], b1 = xr[3];
   A0[0] = a0.x; A0[1] = a0.y; A0[2] = a0.z; A0[3] = a0.w;
   A0[4] = a1.x; A0[5] = a1.y; A0[6] = a1.z; A0[7] = a1.w;
   A1[0] = b0.x; A1[1] = b0.y; A1[2] = b0.z; A1[3] = b0.w;
@@ -228,6 +234,14 @@ _Q4_SOURCE = r"""
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       const int gi = 2 * ch + par;
+      // XPF: every row tile's x loads issued together, one wait per group instead of one
+      // per row tile (registers: 16 per row tile); otherwise each just before its use
+      uint4 xr[XPF ? MT : 1][4];
+      if (XPF) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          if (mt < mt_live) fetch_x(x, M, K, m_base + mt * 16 + g, gi, t, xr[mt]);
+      }
       // row tile by row tile: x once per row tile, each column tile dequantized where it
       // is multiplied (exact, so recomputing it per row tile changes no bits)
 #pragma unroll
@@ -235,7 +249,8 @@ _Q4_SOURCE = r"""
         if (mt >= mt_live) break;
         uint32_t A0[8], A1[8];
         float xs0, xs1;
-        load_x(x, M, K, m_base + mt * 16 + g, gi, t, A0, A1, xs0, xs1);
+        if (!XPF) fetch_x(x, M, K, m_base + mt * 16 + g, gi, t, xr[0]);
+        frag_x(xr[XPF ? mt : 0], A0, A1, xs0, xs1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           uint32_t bq[8];
@@ -575,24 +590,25 @@ def _column_tiles(n: int, mt: int) -> int:
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
-              pipelined: bool = True, ksplit: int | None = None,
-              stages: int | None = None) -> mx.array:
+              pipelined: bool = True, ksplit: int | None = None, stages: int | None = None,
+              mt: int | None = None, xpf: bool = False) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
-    nt (column tiles per block) and pipelined change only the speed, never the bits;
-    ksplit changes the summation order and is for the micro-benchmark only (the engine
-    keeps the one derived from K, which is what makes rows batch-invariant).
+    mt (row tiles per block), nt (column tiles per block), stages (ring depth), xpf (x
+    loads of all row tiles issued together) and pipelined change only the speed, never the
+    bits; ksplit changes the summation order and is for the micro-benchmark only (the
+    engine keeps the one derived from K, which is what makes rows batch-invariant).
     """
     m, k = x.shape
     n = wp.shape[0] * 8
     ksplit = ksplit or _k_split(k // 128)
-    mt = _row_tiles(m)
+    mt = mt or _row_tiles(m)
     nt = nt or _column_tiles(n, mt)
     stages = stages or _stages(nt)
     (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages, pipelined))(
         inputs=[x.astype(mx.bfloat16), wp, sp],
         template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined),
-                  ("STAGES", stages)],
+                  ("STAGES", stages), ("XPF", xpf)],
         grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n)],
