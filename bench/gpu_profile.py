@@ -89,7 +89,7 @@ LAUNCH_SWEEP: dict[int, list[tuple[int, int, int, bool]]] = {
 def launches(shapes: list[tuple[int, int]], rows: list[int], *, rule_only: bool = False) -> None:
     """Each launch shape of slotserve's 4-bit kernels once per (weight shape, row count),
     behind a marker naming it: ncu's log then holds every variant's GPU time, caches
-    flushed before each as in a step (cuda._column_tiles is chosen from these).
+    flushed before each as in a step (cuda._launch is chosen from these).
     rule_only: just the launch the engine makes (for ncu's detailed sections)."""
     import mlx.core as mx
 

@@ -83,15 +83,6 @@ __device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t* b
   }
 }
 
-// sum of the 16 bf16 values in two uint4, in a fixed order
-__device__ __forceinline__ float sum16(uint4 a, uint4 b) {
-  uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s = (s + bf_lo(w[i])) + bf_hi(w[i]);
-  return s;
-}
-
 // rows r0 = row and r1 = row + 8 of x, k = 64*gi + 16t .. +15 (zeros past M): xr[0..1]
 // row r0, xr[2..3] row r1; the loads only, so a caller can issue several row tiles' at once
 __device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, int row, int gi,
@@ -109,8 +100,9 @@ __device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, in
   }
 }
 
-// fetch_x's values as mma A fragments, and each row's sum over the whole group (this
-// thread's 16, then its quad)
+// fetch_x's values as mma A fragments, and each row's sum over the whole group: four mma
+// steps against all-ones columns (c[0] = row r0's sum, c[2] = row r1's) cost four tensor
+// instructions instead of ~70 ALU ones, and every row's sum is still its own dot product
 __device__ __forceinline__ void frag_x(const uint4* xr, uint32_t* A0, uint32_t* A1, float& xs0,
                                        float& xs1) {
   const uint4 a0 = xr[0], a1 = xr[1], b0 = xr[2], b1 = xr[3];
@@ -118,12 +110,13 @@ __device__ __forceinline__ void frag_x(const uint4* xr, uint32_t* A0, uint32_t* 
   A0[4] = a1.x; A0[5] = a1.y; A0[6] = a1.z; A0[7] = a1.w;
   A1[0] = b0.x; A1[1] = b0.y; A1[2] = b0.z; A1[3] = b0.w;
   A1[4] = b1.x; A1[5] = b1.y; A1[6] = b1.z; A1[7] = b1.w;
-  xs0 = sum16(a0, a1);
-  xs1 = sum16(b0, b1);
-  xs0 += __shfl_xor_sync(0xffffffffu, xs0, 1);
-  xs0 += __shfl_xor_sync(0xffffffffu, xs0, 2);
-  xs1 += __shfl_xor_sync(0xffffffffu, xs1, 1);
-  xs1 += __shfl_xor_sync(0xffffffffu, xs1, 2);
+  constexpr uint32_t ONES = 0x3F803F80u;  // two bf16 1.0
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+    mma_bf16(c, A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1], ONES, ONES);
+  xs0 = c[0];
+  xs1 = c[2];
 }
 
 // one 64-wide group of one 16-row x 8-column tile: the four mma steps on the raw codes,
@@ -555,16 +548,6 @@ def _k_split(chunks: int) -> int:
     return next(s for s in (8, 4, 2, 1) if chunks % s == 0)
 
 
-def _row_tiles(m: int) -> int:
-    """Row tiles of 16 per block (MT) for m rows."""
-    return 1 if m <= 16 else 2 if m <= 32 else 4 if m <= 64 else 8
-
-
-def _stages(nt: int) -> int:
-    """Ring slots per warp: 8 chunks' worth of column tiles, at least 2 (one in flight)."""
-    return max(2, 8 // nt)
-
-
 def _shared_bytes(nt: int, ksplit: int, stages: int, pipelined: bool) -> int:
     """Dynamic shared memory of a q4_matmul launch: the rings, or the K-split reduction."""
     ring = ksplit * stages * nt * 36 * 16 if pipelined else 0  # 32 weight + 4 scale uint4
@@ -572,21 +555,27 @@ def _shared_bytes(nt: int, ksplit: int, stages: int, pipelined: bool) -> int:
     return max(ring, reduction)
 
 
-def _column_tiles(n: int, mt: int) -> int:
-    """Column tiles of 8 per block (NT) for n output columns at mt row tiles.
+def _launch(m: int, n: int) -> tuple[int, int, int]:
+    """(row tiles MT, column tiles NT, ring stages) of a launch with m rows, n columns.
 
     From each launch shape's GPU time under Nsight Compute on the H200, caches flushed
-    before each kernel as in a step (bench/gpu_profile.py --launches;
-    bench/results-gpu/run-f-launches.json): 4 tiles for wide matrices at up to 32 rows
-    (gate+up at 1 row 43.6 us vs 50.9 at 2 tiles), 2 elsewhere (down at 1 row 29.0 vs
-    33.2; every shape measured at 64 and 128 rows). Launch shape only: every width
-    computes every element the same way. Start-up timing on the host chose among these by
-    noise (a custom kernel costs the host ~10-27 us to launch, more than the GPU-time
-    differences), so it was removed. n is a multiple of 16 (q4_supported).
+    before each kernel as in a step (bench/gpu_profile.py --launches, sweep LAUNCH_SWEEP;
+    bench/results-gpu/run-i-launches.json, the Llama-3-8B shapes). Over 32 rows, 2 row
+    tiles x 4 column tiles won on every shape at 64 and 128 rows (gate+up at 64 rows 124 us
+    vs 153 for the 4 x 2 used before, down 60 vs 86). Up to 32 rows, narrow matrices take
+    1 x 4 (down at 32 rows 41.5 vs 51.1) and wide ones 2 x 4; one row takes 2 column
+    tiles, 4 from 16384 columns (gate+up 39.7 us vs 47.6), 8 for the lm_head (148 vs 157).
+    Launch shape only: every launch computes every element the same way.
     """
-    if mt <= 2 and n % 32 == 0 and (n >= 16384 or (mt == 2 and n > 4096)):
-        return 4
-    return 2
+    if m <= 16:
+        mt, nt, stages = (1, 8, 2) if n >= 65536 else (1, 4, 2) if n >= 16384 else (1, 2, 4)
+    elif m <= 32 and n < 16384:
+        mt, nt, stages = 1, 4, 4
+    else:
+        mt, nt, stages = 2, 4, 2
+    while n % (8 * nt):  # n is a multiple of 16 (q4_supported)
+        nt //= 2
+    return mt, nt, stages
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
@@ -602,9 +591,8 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
     m, k = x.shape
     n = wp.shape[0] * 8
     ksplit = ksplit or _k_split(k // 128)
-    mt = mt or _row_tiles(m)
-    nt = nt or _column_tiles(n, mt)
-    stages = stages or _stages(nt)
+    rule = _launch(m, n)
+    mt, nt, stages = mt or rule[0], nt or rule[1], stages or rule[2]
     (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages, pipelined))(
         inputs=[x.astype(mx.bfloat16), wp, sp],
         template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined),
