@@ -131,7 +131,7 @@ fi
 
 if want launches; then
   stage "launches: every 4-bit launch shape on the 8B weight shapes (ncu), 1-128 rows"
-  ncu_stage launches bench/gpu_profile.py --launches --rows 1,32,64,128
+  ncu_stage launches bench/gpu_profile.py --launches --rows "${LAUNCH_ROWS:-1,32,64,128}"
 fi
 
 if want detail; then
