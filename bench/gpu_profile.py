@@ -73,16 +73,14 @@ def profile(model_path: str, rows: list[int], ctx: int) -> None:
             mx.eval(tok, _kv_arrays(kvs))
 
 
-# launch shapes swept per row count: (row tiles, column tiles, ring stages, x prefetch)
-LAUNCH_SWEEP: dict[int, list[tuple[int, int, int, bool]]] = {
-    1: [(1, 2, 4, False), (1, 2, 8, False), (1, 4, 2, False), (1, 4, 4, False),
-        (1, 8, 2, False), (1, 8, 3, False)],
-    32: [(1, 4, 4, False), (1, 8, 2, False), (2, 2, 4, False), (2, 4, 2, False),
-         (2, 4, 4, False), (2, 8, 2, False), (2, 2, 4, True), (2, 4, 2, True)],
-    64: [(1, 8, 2, False), (2, 4, 2, False), (2, 8, 2, False), (2, 4, 2, True),
-         (4, 2, 4, False), (4, 2, 4, True), (4, 4, 2, False), (4, 4, 2, True)],
-    128: [(2, 4, 2, False), (2, 8, 2, False), (4, 2, 4, False), (4, 2, 4, True),
-          (4, 4, 2, False), (8, 2, 2, False)],
+# launch shapes swept per row count: (row tiles, column tiles, ring stages). Run I also
+# swept an x prefetch (all row tiles' x loads issued together): slower at every shape
+# (158 registers, one block per SM), so it was removed (docs/benchmarks.md, sixth session).
+LAUNCH_SWEEP: dict[int, list[tuple[int, int, int]]] = {
+    1: [(1, 2, 4), (1, 2, 8), (1, 4, 2), (1, 4, 4), (1, 8, 2), (1, 8, 3)],
+    32: [(1, 4, 4), (1, 8, 2), (2, 2, 4), (2, 4, 2), (2, 4, 4), (2, 8, 2)],
+    64: [(1, 8, 2), (2, 4, 2), (2, 8, 2), (4, 2, 4), (4, 4, 2)],
+    128: [(2, 4, 2), (2, 8, 2), (4, 2, 4), (4, 4, 2), (8, 2, 2)],
 }
 
 
@@ -104,12 +102,11 @@ def launches(shapes: list[tuple[int, int]], rows: list[int], *, rule_only: bool 
             if rule_only:
                 cases.append((f"{m}_n{n}k{k}_rule", lambda x=x, p=packed: cuda.q4_matmul(x, *p)))
                 continue
-            for mt, nt, stages, xpf in LAUNCH_SWEEP.get(m, []):
+            for mt, nt, stages in LAUNCH_SWEEP.get(m, []):
                 if n % (8 * nt) == 0:
-                    cases.append((f"{m}_n{n}k{k}_mt{mt}_nt{nt}_s{stages}{'_xpf' * xpf}",
-                                  lambda x=x, p=packed, a=(mt, nt, stages, xpf):
-                                  cuda.q4_matmul(x, *p, mt=a[0], nt=a[1], stages=a[2],
-                                                 xpf=a[3])))
+                    cases.append((f"{m}_n{n}k{k}_mt{mt}_nt{nt}_s{stages}",
+                                  lambda x=x, p=packed, a=(mt, nt, stages):
+                                  cuda.q4_matmul(x, *p, mt=a[0], nt=a[1], stages=a[2])))
     for _, run in cases:  # compile and warm, outside the profiled range
         mx.eval(run())
     with _profiled():

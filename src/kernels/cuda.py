@@ -84,7 +84,7 @@ __device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t* b
 }
 
 // rows r0 = row and r1 = row + 8 of x, k = 64*gi + 16t .. +15 (zeros past M): xr[0..1]
-// row r0, xr[2..3] row r1; the loads only, so a caller can issue several row tiles' at once
+// row r0, xr[2..3] row r1
 __device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, int row, int gi,
                                         int t, uint4* xr) {
   xr[0] = xr[1] = xr[2] = xr[3] = make_uint4(0, 0, 0, 0);
@@ -227,14 +227,6 @@ _Q4_SOURCE = r"""
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       const int gi = 2 * ch + par;
-      // XPF: every row tile's x loads issued together, one wait per group instead of one
-      // per row tile (registers: 16 per row tile); otherwise each just before its use
-      uint4 xr[XPF ? MT : 1][4];
-      if (XPF) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          if (mt < mt_live) fetch_x(x, M, K, m_base + mt * 16 + g, gi, t, xr[mt]);
-      }
       // row tile by row tile: x once per row tile, each column tile dequantized where it
       // is multiplied (exact, so recomputing it per row tile changes no bits)
 #pragma unroll
@@ -242,8 +234,9 @@ _Q4_SOURCE = r"""
         if (mt >= mt_live) break;
         uint32_t A0[8], A1[8];
         float xs0, xs1;
-        if (!XPF) fetch_x(x, M, K, m_base + mt * 16 + g, gi, t, xr[0]);
-        frag_x(xr[XPF ? mt : 0], A0, A1, xs0, xs1);
+        uint4 xr[4];
+        fetch_x(x, M, K, m_base + mt * 16 + g, gi, t, xr);
+        frag_x(xr, A0, A1, xs0, xs1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           uint32_t bq[8];
@@ -580,13 +573,13 @@ def _launch(m: int, n: int) -> tuple[int, int, int]:
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
               pipelined: bool = True, ksplit: int | None = None, stages: int | None = None,
-              mt: int | None = None, xpf: bool = False) -> mx.array:
+              mt: int | None = None) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
-    mt (row tiles per block), nt (column tiles per block), stages (ring depth), xpf (x
-    loads of all row tiles issued together) and pipelined change only the speed, never the
-    bits; ksplit changes the summation order and is for the micro-benchmark only (the
-    engine keeps the one derived from K, which is what makes rows batch-invariant).
+    mt (row tiles per block), nt (column tiles per block), stages (ring depth) and
+    pipelined change only the speed, never the bits; ksplit changes the summation order
+    and is for the micro-benchmark only (the engine keeps the one derived from K, which is
+    what makes rows batch-invariant).
     """
     m, k = x.shape
     n = wp.shape[0] * 8
@@ -596,7 +589,7 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
     (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages, pipelined))(
         inputs=[x.astype(mx.bfloat16), wp, sp],
         template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined),
-                  ("STAGES", stages), ("XPF", xpf)],
+                  ("STAGES", stages)],
         grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n)],
