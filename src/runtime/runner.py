@@ -25,7 +25,7 @@ import structlog
 
 from slotserve.kernels.grammar import Matcher, apply_masks
 from slotserve.kernels.sampling import RowState, SamplingParams, draft_rows
-from slotserve.model.kv import SlotKV
+from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.layers import Batch
 
 log = structlog.get_logger("slotserve.runner")
@@ -71,6 +71,11 @@ class StepOutput:
     seconds: float = 0.0
 
 
+def _written(pool: KVPool | None) -> list[mx.array]:
+    """The pool arrays a step writes: what the step's eval must cover."""
+    return [*pool.keys, *pool.values] if pool is not None else []
+
+
 class ModelRunner:
     """Owns the model; every method here runs on the MLX thread."""
 
@@ -93,8 +98,7 @@ class ModelRunner:
             if sample:
                 logit_rows.append(row - 1)
         logits = self.model(tokens_in, batch, logit_rows)  # type: ignore[operator]
-        pool = batch.pool
-        return logits, ([*pool.keys, *pool.values] if pool is not None else [])
+        return logits, _written(batch.pool)
 
     def step(self, work: list[RowWork]) -> StepOutput:
         t0 = time.perf_counter()
@@ -122,10 +126,10 @@ class ModelRunner:
                                     spec.logits.shape[0] + len(sampled_work) - len(from_spec)))
             order = [from_spec[w.slot_id] if w.slot_id in from_spec else next(fresh_rows)
                      for w in sampled_work]
-            both = spec.logits if logits is None else mx.concatenate([spec.logits, logits])
-            logits = both[mx.array(order, dtype=mx.int32)]
-            pool = work[0].kv.pool
-            kv_arrays = [*pool.keys, *pool.values]
+            logits = spec.logits if logits is None else mx.concatenate([spec.logits, logits])
+            if order != list(range(logits.shape[0])):  # steady decode: already in order
+                logits = logits[mx.array(order, dtype=mx.int32)]
+            kv_arrays = _written(work[0].kv.pool)
         out = StepOutput(rows=sum(len(w.tokens) for w in work))
         if logits is None:
             mx.eval(kv_arrays)
