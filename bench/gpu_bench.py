@@ -121,11 +121,8 @@ def linear_diagnostics(model: Any, max_rows: int = 256) -> dict[str, list[int]]:
 
 
 def _kv_arrays(kvs: list[Any]) -> list[Any]:
-    """The arrays a step writes: a shared page pool's, or each slot's own."""
-    pool = getattr(kvs[0], "pool", None)
-    if pool is not None:
-        return [*pool.keys, *pool.values]
-    return [a for kv in kvs for a in (*kv.keys, *kv.values) if a is not None]
+    """The arrays a step writes: the slots' shared page pool's."""
+    return kvs[0].pool.arrays()
 
 
 def prefilled_slots(model: Any, n: int, ctx: int) -> tuple[list[Any], Any]:

@@ -71,6 +71,10 @@ class KVPool:
         self.free.extend(range(self.pages + extra - 1, self.pages - 1, -1))
         self.pages += extra
 
+    def arrays(self) -> list[mx.array]:
+        """Every layer's key and value arrays: what a step writing the pool must evaluate."""
+        return [*self.keys, *self.values]
+
     def key_blocks(self, layer: int) -> mx.array:
         """Layer's keys as [pages * kv_heads, BLOCK, head_dim] (a view, no copy)."""
         return self.keys[layer].reshape(-1, BLOCK, self.head_dim)

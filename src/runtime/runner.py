@@ -25,7 +25,7 @@ import structlog
 
 from slotserve.kernels.grammar import Matcher, apply_masks
 from slotserve.kernels.sampling import RowState, SamplingParams, draft_rows
-from slotserve.model.kv import KVPool, SlotKV
+from slotserve.model.kv import SlotKV
 from slotserve.model.layers import Batch
 
 log = structlog.get_logger("slotserve.runner")
@@ -71,11 +71,6 @@ class StepOutput:
     seconds: float = 0.0
 
 
-def _written(pool: KVPool | None) -> list[mx.array]:
-    """The pool arrays a step writes: what the step's eval must cover."""
-    return [*pool.keys, *pool.values] if pool is not None else []
-
-
 class ModelRunner:
     """Owns the model; every method here runs on the MLX thread."""
 
@@ -98,7 +93,7 @@ class ModelRunner:
             if sample:
                 logit_rows.append(row - 1)
         logits = self.model(tokens_in, batch, logit_rows)  # type: ignore[operator]
-        return logits, _written(batch.pool)
+        return logits, (batch.pool.arrays() if batch.pool is not None else [])
 
     def step(self, work: list[RowWork]) -> StepOutput:
         t0 = time.perf_counter()
@@ -129,7 +124,7 @@ class ModelRunner:
             logits = spec.logits if logits is None else mx.concatenate([spec.logits, logits])
             if order != list(range(logits.shape[0])):  # steady decode: already in order
                 logits = logits[mx.array(order, dtype=mx.int32)]
-            kv_arrays = _written(work[0].kv.pool)
+            kv_arrays = work[0].kv.pool.arrays()
         out = StepOutput(rows=sum(len(w.tokens) for w in work))
         if logits is None:
             mx.eval(kv_arrays)
