@@ -2,11 +2,13 @@
 # slotserve on the lent GPU: the one command to run there after staging MLX's CUDA wheels
 # (see docs/benchmarks.md, "GPU (H200)"):
 #   source .gpu2/install.sh && bash bench/gpu.sh [STAGE ...]
-# Stages (default: all, in this order): env synth bench tests profile launches detail micro bf16
+# Stages (default: all, in this order): env synth bench host tests profile launches detail micro bf16
 #   peer moe
 #   env    machine, versions, quick kernel checks (quantized matmul by rows, gather_qmm)
 #   synth  random-weight llama3-8b, MLX 4-bit (slotserve synth) under $SYNTH_DIR
 #   bench  bench/gpu_bench.py on it: probe, engine invariance, N sweep, TTFT, runner split
+#   host   bench/host_cost.py once per MLX CUDA-graph setting: a step's host cost, plain
+#          forward vs compiled (runtime.compiled)
 #   tests  pytest -m gpu tests/test_gpu.py (tiny synthetic dense + MoE on the GPU); on a fresh
 #          machine MLX JIT-compiles its CUDA kernels first (minutes; cached in MLX_PTX_CACHE_DIR)
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
@@ -43,7 +45,7 @@ if [ -f .gpucache/mlx-ptx.tgz ]; then
     && echo "restored MLX kernel cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries"
 fi
 PY=${PY:-python3}
-STAGES=" ${*:-env synth bench tests profile launches detail micro bf16 peer moe} "
+STAGES=" ${*:-env synth bench host tests profile launches detail micro bf16 peer moe} "
 LLAMA=$SYNTH_DIR/llama3-8b-mlx4
 LLAMA_BF16=$SYNTH_DIR/llama3-8b-bf16
 MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
@@ -103,6 +105,17 @@ if want bench; then
   timeout "${BENCH_TIMEOUT:-280}" $PY bench/gpu_bench.py --model "$LLAMA" --streams 1,8,32,64,128 \
     --prompt-tokens 128 --new-tokens 64 --ttft-tokens 1024 --prefill-budget 1024 \
     --out "$OUT/bench_llama3-8b.json" | grep -v '^ \|^[{}]$'
+fi
+
+if want host; then
+  stage "host: a decode step's host cost, plain vs compiled, under MLX's CUDA-graph settings"
+  i=0
+  for setting in "" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=1000 MLX_MAX_MB_PER_BUFFER=100000"; do
+    i=$((i + 1))
+    echo "--- setting ${setting:-MLX defaults}"
+    env $setting timeout "${HOST_TIMEOUT:-120}" $PY bench/host_cost.py "$LLAMA" \
+      --rows "${HOST_ROWS:-1,64}" --out "$OUT/host_$i.json" | grep -v '^ \|^[{}]$'
+  done
 fi
 
 if want tests; then

@@ -143,26 +143,34 @@ def prefilled_slots(model: Any, n: int, ctx: int) -> tuple[list[Any], Any]:
     return kvs, ids[:, -1]
 
 
-def decode_step(model: Any, kvs: list[Any], tok: Any, pos: int) -> Any:
-    """One greedy decode step of every slot at position pos (lazy: nothing evaluated)."""
+def decode_step(model: Any, kvs: list[Any], tok: Any, pos: int, compiled: Any = None) -> Any:
+    """One greedy decode step of every slot at position pos (lazy: nothing evaluated);
+    through `compiled` (a runtime.compiled.CompiledDecode) when given."""
     import mlx.core as mx
 
     from slotserve.model.layers import Batch
 
     batch = Batch.build([(kv, pos, 1) for kv in kvs])
-    logits = model(tok, batch, list(range(len(kvs))))
+    if compiled is not None and compiled.applies(batch, list(range(len(kvs)))):
+        logits = compiled(tok, batch)
+    else:
+        logits = model(tok, batch, list(range(len(kvs))))
     return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
-def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, float]:
-    """Decode steps of n slots straight through the model: graph build vs total time."""
+def runner_timing(model: Any, n: int, ctx: int, steps: int = 16,
+                  compiled: Any = None) -> dict[str, float]:
+    """Decode steps of n slots straight through the model: graph build vs total time.
+
+    compiled: a runtime.compiled.CompiledDecode to run the steps through (its first step
+    at each shape traces it, inside the warm-up steps)."""
     import mlx.core as mx
 
     kvs, tok = prefilled_slots(model, n, ctx)
     builds, totals = [], []
     for s in range(steps + 3):
         t0 = time.perf_counter()
-        tok = decode_step(model, kvs, tok, ctx + s)
+        tok = decode_step(model, kvs, tok, ctx + s, compiled)
         t1 = time.perf_counter()
         mx.eval(tok, _kv_arrays(kvs))
         t2 = time.perf_counter()
@@ -170,25 +178,33 @@ def runner_timing(model: Any, n: int, ctx: int, steps: int = 16) -> dict[str, fl
             builds.append(t1 - t0)
             totals.append(t2 - t0)
     # pipelined, as the engine runs on a GPU: step s+1's graph is built on the lazy tokens
-    # of step s before anything waits for the device
-    piped = []
+    # of step s before anything waits for the device; `launch` is the host time MLX takes
+    # to hand a step's graph to the device (mx.async_eval)
+    piped, launches = [], []
     t_prev = time.perf_counter()
     base = ctx + steps + 3
     for s in range(steps + 3):
-        nxt = decode_step(model, kvs, tok, base + s)
+        nxt = decode_step(model, kvs, tok, base + s, compiled)
+        t_launch = time.perf_counter()
         mx.async_eval(nxt, _kv_arrays(kvs))
+        launch = time.perf_counter() - t_launch
         mx.eval(tok)  # the previous step's tokens
         tok = nxt
         now = time.perf_counter()
         if s >= 3:
             piped.append(now - t_prev)
+            launches.append(launch)
         t_prev = now
     mx.eval(tok)
+    for kv in kvs:  # pages back to the pool for the next run
+        kv.release()
     step = statistics.median(totals)
     pstep = statistics.median(piped)
     wbytes = weight_bytes_per_step(model, n)
-    return {"streams": n, "step_ms": round(step * 1000, 2),
+    return {"streams": n, "compiled": bool(compiled is not None and compiled.traced),
+            "step_ms": round(step * 1000, 2),
             "graph_build_ms": round(statistics.median(builds) * 1000, 2),
+            "launch_ms": round(statistics.median(launches) * 1000, 2),
             "decode_tok_s": round(n / step, 1), "weight_gbps": round(wbytes / step / GB, 1),
             "pipelined_step_ms": round(pstep * 1000, 2),
             "pipelined_tok_s": round(n / pstep, 1)}
@@ -334,6 +350,16 @@ def eval_us_per_op(ops: int = 400) -> dict[str, float]:
     if cuda.enabled():
         out["slotserve_swiglu_after_concat"] = chain(
             lambda y: cuda.swiglu(mx.concatenate([y, y], axis=1)))
+        # the same one-line kernel with a short source and with 10 kB more of it (a
+        # comment): MLX handles a custom kernel's whole source on every call and launch
+        for label, pad in (("custom_copy_short_source", ""),
+                           ("custom_copy_10kb_longer_source", "// " + "x" * 10000 + "\n")):
+            kernel = mx.fast.cuda_kernel(
+                name=f"slotserve_bench_copy{len(pad)}", input_names=["a"], output_names=["b"],
+                source=pad + "b[threadIdx.x] = a[threadIdx.x];")
+            out[label] = chain(lambda y, k=kernel: k(
+                inputs=[y], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[y.shape],
+                output_dtypes=[y.dtype])[0])
     emit({"eval_us_per_op": out})
     return out
 
@@ -561,14 +587,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             report["sweep_not_pipelined"] = await sweep(engine, model, streams, args,
                                                         "sweep_not_pipelined")
             runner_obj.speculate = True
+        if runner_obj.compiled is not None:  # and not compiled (Python builds every step)
+            compiled, runner_obj.compiled = runner_obj.compiled, None
+            report["sweep_not_compiled"] = await sweep(engine, model, streams, args,
+                                                       "sweep_not_compiled")
+            runner_obj.compiled = compiled
+            report["compiled_traces"] = compiled.traced
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []
-        for n in streams:
-            engine.drop_retained()
-            r = engine.mlx.call(lambda n=n: runner_timing(model, n, args.prompt_tokens))
-            runner.append(r)
-            emit({"runner": r})
+        for n in streams:  # plain and compiled forward side by side
+            for compiled in [None] + ([runner_obj.compiled] if runner_obj.compiled else []):
+                engine.drop_retained()
+                r = engine.mlx.call(lambda n=n, c=compiled: runner_timing(
+                    model, n, args.prompt_tokens, compiled=c))
+                runner.append(r)
+                emit({"runner": r})
         report["runner"] = runner
         report["matmul_share"] = engine.mlx.call(lambda: matmul_share(model))
         report["eval_us_per_op"] = engine.mlx.call(eval_us_per_op)

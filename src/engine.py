@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -57,6 +58,10 @@ class EngineConfig:
     # (runtime.runner). None: on for a GPU, where Python builds the next graph while the
     # device computes; off for the CPU, whose own kernels run eagerly (nothing to overlap)
     speculate: bool | None = None
+    # decode steps through mx.compile (runtime.compiled): the graph traced once per shape,
+    # not built by Python every step. None: on for a GPU (it applies to the CUDA kernels'
+    # steps only); SLOTSERVE_COMPILE=0 turns it off
+    compile_decode: bool | None = None
 
 
 @dataclass
@@ -109,7 +114,9 @@ class Engine:
         lm = self.loaded
         self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
         speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
-        runner = ModelRunner(lm.model, speculate=speculate)
+        compiled = (lm.device == "gpu" and os.environ.get("SLOTSERVE_COMPILE", "1") != "0"
+                    if cfg.compile_decode is None else cfg.compile_decode)
+        runner = ModelRunner(lm.model, speculate=speculate, compiled=compiled)
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)

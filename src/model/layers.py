@@ -332,9 +332,13 @@ class Rope:
                                     np.asarray(self.sin.astype(mx.float32)))
         return self._host
 
-    def tables(self, positions: mx.array, max_pos: int) -> tuple[mx.array, mx.array]:
+    def reserve(self, max_pos: int) -> None:
+        """Grow the tables to hold position max_pos."""
         if max_pos >= self.size:
             self._grow(max_pos + 1)
+
+    def tables(self, positions: mx.array, max_pos: int) -> tuple[mx.array, mx.array]:
+        self.reserve(max_pos)
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
     @staticmethod

@@ -27,6 +27,7 @@ from slotserve.kernels.grammar import Matcher, apply_masks
 from slotserve.kernels.sampling import RowState, SamplingParams, draft_rows
 from slotserve.model.kv import SlotKV
 from slotserve.model.layers import Batch
+from slotserve.runtime.compiled import CompiledDecode
 
 log = structlog.get_logger("slotserve.runner")
 
@@ -74,9 +75,11 @@ class StepOutput:
 class ModelRunner:
     """Owns the model; every method here runs on the MLX thread."""
 
-    def __init__(self, model: object, speculate: bool = False) -> None:
+    def __init__(self, model: object, speculate: bool = False, compiled: bool = False) -> None:
         self.model = model
         self.speculate = speculate
+        # decode steps on the GPU kernels through mx.compile (runtime.compiled)
+        self.compiled = CompiledDecode(model) if compiled else None
         self._spec: Speculation | None = None
         self.spec_rows = 0  # rows whose logits came from a speculation (stats, tests)
 
@@ -92,7 +95,10 @@ class ModelRunner:
             row += length
             if sample:
                 logit_rows.append(row - 1)
-        logits = self.model(tokens_in, batch, logit_rows)  # type: ignore[operator]
+        if self.compiled is not None and self.compiled.applies(batch, logit_rows):
+            logits = self.compiled(tokens_in, batch)
+        else:
+            logits = self.model(tokens_in, batch, logit_rows)  # type: ignore[operator]
         return logits, (batch.pool.arrays() if batch.pool is not None else [])
 
     def step(self, work: list[RowWork]) -> StepOutput:

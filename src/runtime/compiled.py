@@ -1,0 +1,104 @@
+"""The GPU decode step's forward through `mx.compile`: its graph built once per shape.
+
+A decode step's graph on the GPU is ~450 ops, and Python builds it anew every step
+(2-6 ms of host time on the lent H200's hosts, more than a 1-row step's GPU time at
+times; slotserve's custom kernels cost the most to add, `mx.fast.cuda_kernel` rebuilding
+their source on every call). Compiled, the step is traced once per input shape and then
+replayed in C++: the same primitives (custom kernels included) on the new inputs.
+
+Only steps the CUDA kernels run whose every row decodes one token are compiled: then the
+graph depends on nothing but the input shapes (rows, block-table width, pool size and
+RoPE table size). Everything that changes between steps is an input: the tokens, the
+row tables, every layer's K/V pool arrays (the step's scatters return new ones, put back
+into the pool as an uncompiled step leaves them) and the RoPE tables (which grow).
+
+The compiled step runs the same kernels on the same operands, so a row gets the same bits
+as through the plain forward; the GPU tests check that (prefill stays uncompiled).
+Traces are kept per shape, least recently used dropped past MAX_TRACES.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from slotserve.model.layers import Batch, Rope
+
+MAX_TRACES = 64
+
+
+class CompiledDecode:
+    """Runs a model's decode steps (GPU kernels, one token per row) compiled."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.ropes: list[Rope] = [r for r in vars(model).values() if isinstance(r, Rope)]
+        self._traces: OrderedDict[tuple[Any, ...], Callable[..., Any]] = OrderedDict()
+        self._batch: Batch | None = None  # the batch being traced (its Python parts)
+        self.traced = 0  # shapes traced so far (stats, tests)
+
+    @staticmethod
+    def applies(batch: Batch, logit_rows: list[int]) -> bool:
+        """A decode step on the CUDA kernels, logits of every row in order."""
+        return (batch.cuda is not None and batch.pool is not None
+                and batch.rows == batch.padded_rows == len(logit_rows)
+                and all(s.length == 1 for s in batch.segments)
+                and logit_rows == list(range(len(logit_rows))))
+
+    def __call__(self, tokens: mx.array, batch: Batch) -> mx.array:
+        pool = batch.pool
+        assert pool is not None and batch.cuda is not None and batch.write_rows is not None
+        max_pos = max(s.start + s.length for s in batch.segments)
+        for rope in self.ropes:  # grown here: a trace must not change the model
+            rope.reserve(max_pos)
+        tables = [t for rope in self.ropes for t in (rope.cos, rope.sin)]
+        inputs = [tokens, batch.positions, batch.write_rows, *batch.cuda, *tables,
+                  *pool.keys, *pool.values]
+        fn = self._trace_for(tuple((a.shape, a.dtype) for a in inputs))
+        self._batch = batch
+        try:
+            out = fn(*inputs)
+        finally:
+            self._batch = None
+        del inputs  # the pool's old arrays are then held by the graph alone (scatter in place)
+        layers = len(pool.keys)
+        pool.keys, pool.values = list(out[1 : 1 + layers]), list(out[1 + layers :])
+        return out[0]
+
+    def _trace_for(self, key: tuple[Any, ...]) -> Callable[..., Any]:
+        fn = self._traces.get(key)
+        if fn is None:
+            fn = self._traces[key] = mx.compile(self._forward)
+            self.traced += 1
+            if len(self._traces) > MAX_TRACES:
+                self._traces.popitem(last=False)
+        else:
+            self._traces.move_to_end(key)
+        return fn
+
+    def _forward(self, tokens: mx.array, positions: mx.array, write_rows: mx.array,
+                 tables: mx.array, row_table: mx.array, row_pos: mx.array,
+                 *rest: mx.array) -> list[mx.array]:
+        """The model's forward on traced inputs (runs only while tracing)."""
+        real = self._batch
+        assert real is not None and real.pool is not None
+        n_tables = 2 * len(self.ropes)
+        pool = copy.copy(real.pool)
+        layers = pool.num_layers
+        kv = rest[n_tables:]
+        pool.keys, pool.values = list(kv[:layers]), list(kv[layers:])
+        batch = Batch(real.segments, positions, pool, write_rows,
+                      cuda=(tables, row_table, row_pos))
+        saved = [(rope.cos, rope.sin) for rope in self.ropes]
+        try:
+            for i, rope in enumerate(self.ropes):
+                rope.cos, rope.sin = rest[2 * i], rest[2 * i + 1]
+            logits = self.model(tokens, batch, list(range(batch.rows)))
+        finally:
+            for rope, (cos, sin) in zip(self.ropes, saved, strict=True):
+                rope.cos, rope.sin = cos, sin
+        return [logits, *pool.keys, *pool.values]
