@@ -110,7 +110,9 @@ fi
 if want host; then
   stage "host: a decode step's host cost, plain vs compiled, under MLX's CUDA-graph settings"
   i=0
-  for setting in "" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=1000 MLX_MAX_MB_PER_BUFFER=100000"; do
+  settings=("" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=1000 MLX_MAX_MB_PER_BUFFER=100000")
+  [ "${HOST_DEFAULTS_ONLY:-0}" = 1 ] && settings=("")
+  for setting in "${settings[@]}"; do
     i=$((i + 1))
     echo "--- setting ${setting:-MLX defaults}"
     env $setting timeout "${HOST_TIMEOUT:-120}" $PY bench/host_cost.py "$LLAMA" \

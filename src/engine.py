@@ -117,6 +117,13 @@ class Engine:
         compiled = (lm.device == "gpu" and os.environ.get("SLOTSERVE_COMPILE", "1") != "0"
                     if cfg.compile_decode is None else cfg.compile_decode)
         runner = ModelRunner(lm.model, speculate=speculate, compiled=compiled)
+        if runner.compiled is not None:
+            same = await self.mlx.run(runner.compiled.same_bits)
+            log.info("compiled decode steps", on=same,
+                     why="same bits as the plain forward" if same
+                     else "compiled steps round differently here: plain forward only")
+            if not same:
+                runner.compiled = None
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)
@@ -181,6 +188,8 @@ class Engine:
         self._stop.set()
         await self._host_task
         if self.mlx is not None:
+            if self.batcher is not None:
+                await self.mlx.run(self.batcher.runner.close)
             self.mlx.close()
 
     # ---- requests --------------------------------------------------------------

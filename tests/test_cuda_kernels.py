@@ -94,7 +94,9 @@ def test_rope_split_and_swiglu_match_mlx() -> None:
     c, s = cos.astype(mx.float32), sin.astype(mx.float32)
     want_q = Rope.apply(x[:, :heads], c, s)
     want_k = Rope.apply(x[:, heads : heads + kv_heads], c, s)
-    np.testing.assert_allclose(np.asarray(q.astype(mx.float32)), np.asarray(want_q), atol=3e-2)
+    assert q.shape == (r, heads * d)
+    np.testing.assert_allclose(np.asarray(q.reshape(r, heads, d).astype(mx.float32)),
+                               np.asarray(want_q), atol=3e-2)
     np.testing.assert_allclose(np.asarray(k.astype(mx.float32)), np.asarray(want_k), atol=3e-2)
     assert mx.array_equal(v, qkv.reshape(r, -1, d)[:, heads + kv_heads :]).item()
     gu = mx.random.normal((r, 2 * 96), key=mx.random.key(6)).astype(mx.bfloat16)

@@ -34,8 +34,17 @@ import numpy as np
 GROUP = 64  # quantization group size the matmul kernel handles
 BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
 
-_HEADER = r"""
+# helpers every kernel may use
+_COMMON = r"""
 #include <cuda_bf16.h>
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+__device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
+"""
+
+# the 4-bit matmul's helpers
+_Q4_HEADER = r"""
 
 // two 4-bit codes as two exact bf16 values: q4_pack stores each word's codes interleaved
 // (nibbles c0 c2 c4 c6 c1 c3 c5 c7), so pair j = (c_2j, c_2j+1) sits at bits 4j and 4j+16
@@ -56,7 +65,6 @@ __device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 // 16 bytes global -> shared without passing through registers (sm_80+)
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -69,8 +77,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
 
 // the 16 codes of one 64-wide group this thread holds (two words) as mma B fragments:
 // bq[2s], bq[2s+1] = k-slots (2t, 2t+1) and (2t+8, 2t+9) of step s
@@ -488,16 +494,29 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     """The kernel object; one per dynamic shared-memory size (MLX fixes it per object, and
     every template instantiation of q4_matmul always asks for the same size)."""
     sources = {
-        "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE),
+        "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE, _Q4_HEADER),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
-                            ["out"], _ATTENTION_SOURCE),
-        "rope_split": (["qkv", "cos_t", "sin_t", "positions"], ["q", "k", "v"], _ROPE_SOURCE),
-        "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE),
+                            ["out"], _ATTENTION_SOURCE, ""),
+        "rope_split": (["qkv", "cos_t", "sin_t", "positions"], ["q", "k", "v"], _ROPE_SOURCE,
+                       ""),
+        "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE, ""),
     }
-    inputs, outputs, body = sources[name]
+    inputs, outputs, body, header = sources[name]
     return mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=inputs,
-                               output_names=outputs, source=body, header=_HEADER,
-                               shared_memory=shared_memory)
+                               output_names=outputs, source=_compact(body),
+                               header=_compact(_COMMON + header), shared_memory=shared_memory)
+
+
+def _compact(source: str) -> str:
+    """CUDA source without comments, indentation or blank lines. MLX copies a custom kernel's
+    whole source into every op and hashes it at every launch: ~0.2-0.6 us a kB on the H200's
+    hosts (bench/gpu_bench.py eval_us_per_op, custom_copy_*), ~200 launches a step."""
+    out = []
+    for line in source.splitlines():
+        code = line.split("//", 1)[0].strip()
+        if code:
+            out.append(code)
+    return "\n".join(out) + "\n"
 
 
 # ---- 4-bit matmul --------------------------------------------------------------------
@@ -613,8 +632,10 @@ def _attention_params(scale: float) -> mx.array:
 def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.array,
                     row_table: mx.array, row_pos: mx.array, scale: float,
                     window: int | None = None) -> mx.array:
-    """q [R, Hq, D]; pools [blocks * 128, D]; tables [S, nb, Hkv] -> [R, Hq, D] bf16."""
-    r, hq, d = q.shape
+    """q [R, Hq, D] or [R, Hq * D]; pools [blocks * 128, D]; tables [S, nb, Hkv] -> bf16
+    output in q's shape (the 2-D form, as rope_split gives q, adds no reshape to the graph)."""
+    r, d = q.shape[0], kpool.shape[-1]
+    hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
     (out,) = _kernel("paged_attention")(
         inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
@@ -625,7 +646,7 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
         output_shapes=[(r, hq * d)],
         output_dtypes=[mx.bfloat16],
     )
-    return out.reshape(r, hq, d)
+    return out.reshape(q.shape)
 
 
 def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
@@ -644,7 +665,7 @@ def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
 
 def rope_split(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array, heads: int,
                kv_heads: int, head_dim: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Fused QKV rows -> RoPE'd q [R, heads, D], k [R, kv_heads, D] and v [R, kv_heads, D].
+    """Fused QKV rows -> RoPE'd q [R, heads * D], k [R, kv_heads, D] and v [R, kv_heads, D].
 
     cos/sin: the whole [positions, D] tables; positions: [R] int32.
     """
@@ -655,7 +676,7 @@ def rope_split(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array,
         template=[("T", qkv.dtype), ("D", head_dim), ("HKV", kv_heads)],
         grid=(pairs, 1, 1),
         threadgroup=(256, 1, 1),
-        output_shapes=[(r, heads, head_dim), (r, kv_heads, head_dim), (r, kv_heads, head_dim)],
+        output_shapes=[(r, heads * head_dim), (r, kv_heads, head_dim), (r, kv_heads, head_dim)],
         output_dtypes=[qkv.dtype] * 3,
     )
     return q, k, v

@@ -351,7 +351,8 @@ class Rope:
 
 def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scale: float,
            window: int | None = None) -> mx.array:
-    """Write every row's new K/V into the pool, then attend; q/k/v: [R, heads, D].
+    """Write every row's new K/V into the pool, then attend; q/k/v: [R, heads, D] (q may be
+    [R, heads * D] on the CUDA kernels' path, as rope_split gives it); output in q's shape.
 
     All decode rows of one key span go through one batched dispatch; each prefill
     chunk attends over its own slot's positions.

@@ -38,6 +38,7 @@ class CompiledDecode:
         self.model = model
         self.ropes: list[Rope] = [r for r in vars(model).values() if isinstance(r, Rope)]
         self._traces: OrderedDict[tuple[Any, ...], Callable[..., Any]] = OrderedDict()
+        self._last_key: tuple[Any, ...] | None = None
         self._batch: Batch | None = None  # the batch being traced (its Python parts)
         self.traced = 0  # shapes traced so far (stats, tests)
 
@@ -49,25 +50,85 @@ class CompiledDecode:
                 and all(s.length == 1 for s in batch.segments)
                 and logit_rows == list(range(len(logit_rows))))
 
+    def run(self, tokens: mx.array, batch: Batch, logit_rows: list[int]) -> mx.array | None:
+        """The step's logits, compiled; None where the plain forward should run instead:
+        a step that is not a decode step, or the first of its shape in a row (while rows
+        join and leave, shapes change every step and a trace would not be used again)."""
+        if not self.applies(batch, logit_rows):
+            return None
+        inputs = self._inputs(tokens, batch)
+        key = tuple((a.shape, a.dtype) for a in inputs)
+        last, self._last_key = self._last_key, key
+        if key not in self._traces and key != last:
+            return None
+        return self._call(key, inputs, batch)
+
     def __call__(self, tokens: mx.array, batch: Batch) -> mx.array:
+        """A decode step's logits, compiled whatever its shape (applies() must hold)."""
+        inputs = self._inputs(tokens, batch)
+        return self._call(tuple((a.shape, a.dtype) for a in inputs), inputs, batch)
+
+    def _inputs(self, tokens: mx.array, batch: Batch) -> list[mx.array]:
         pool = batch.pool
         assert pool is not None and batch.cuda is not None and batch.write_rows is not None
         max_pos = max(s.start + s.length for s in batch.segments)
         for rope in self.ropes:  # grown here: a trace must not change the model
             rope.reserve(max_pos)
         tables = [t for rope in self.ropes for t in (rope.cos, rope.sin)]
-        inputs = [tokens, batch.positions, batch.write_rows, *batch.cuda, *tables,
-                  *pool.keys, *pool.values]
-        fn = self._trace_for(tuple((a.shape, a.dtype) for a in inputs))
+        return [tokens, batch.positions, batch.write_rows, *batch.cuda, *tables,
+                *pool.keys, *pool.values]
+
+    def _call(self, key: tuple[Any, ...], inputs: list[mx.array], batch: Batch) -> mx.array:
+        pool = batch.pool
+        assert pool is not None
+        fn = self._trace_for(key)
         self._batch = batch
         try:
             out = fn(*inputs)
         finally:
             self._batch = None
-        del inputs  # the pool's old arrays are then held by the graph alone (scatter in place)
+        inputs.clear()  # the pool's old arrays are then held by the graph alone (in place)
         layers = len(pool.keys)
         pool.keys, pool.values = list(out[1 : 1 + layers]), list(out[1 + layers :])
         return out[0]
+
+    def clear(self) -> None:
+        """Drop every trace (engine shutdown, on the MLX thread)."""
+        self._traces.clear()
+        self._last_key = None
+
+    def same_bits(self, rows: int = 3) -> bool:
+        """Whether a compiled decode step gives the plain forward's bits (logits and the K/V
+        it writes), on this model and machine. MLX's compile fuses chains of elementwise
+        ops into one kernel, which may round differently; a step compiled only where this
+        holds keeps a row's output the same whichever way its step ran."""
+        model = self.model
+        kvs = [model.new_kv() for _ in range(rows)]
+        try:
+            for i, kv in enumerate(kvs):  # prompts of 5, 6, ... tokens
+                model(mx.arange(5 + i, dtype=mx.int32) * (7 + i), Batch.build([(kv, 0, 5 + i)]),
+                      [])
+                mx.eval(kv.pool.arrays())
+            tokens = mx.arange(rows, dtype=mx.int32) + 3
+            parts = [(kv, 5 + i, 1) for i, kv in enumerate(kvs)]
+            if not self.applies(Batch.build(parts), list(range(rows))):
+                return False
+            pool = kvs[0].pool
+            before = pool.arrays()
+            plain = model(tokens, Batch.build(parts), list(range(rows)))
+            plain_out = [plain, *pool.arrays()]
+            mx.eval(plain_out)
+            half = len(before) // 2
+            pool.keys, pool.values = before[:half], before[half:]
+            got = self(tokens, Batch.build(parts))
+            got_out = [got, *pool.arrays()]
+            mx.eval(got_out)
+            return all(mx.array_equal(_bits(a), _bits(b)).item() for a, b in
+                       zip(plain_out, got_out, strict=True))
+        finally:
+            self.clear()
+            for kv in kvs:
+                kv.release()
 
     def _trace_for(self, key: tuple[Any, ...]) -> Callable[..., Any]:
         fn = self._traces.get(key)
@@ -102,3 +163,7 @@ class CompiledDecode:
             for rope, (cos, sin) in zip(self.ropes, saved, strict=True):
                 rope.cos, rope.sin = cos, sin
         return [logits, *pool.keys, *pool.values]
+
+
+def _bits(a: mx.array) -> mx.array:
+    return a.view({2: mx.uint16, 4: mx.uint32}[a.dtype.size])

@@ -83,6 +83,12 @@ class ModelRunner:
         self._spec: Speculation | None = None
         self.spec_rows = 0  # rows whose logits came from a speculation (stats, tests)
 
+    def close(self) -> None:
+        """Drop the queued speculation and the compiled traces (engine shutdown)."""
+        self._spec = None
+        if self.compiled is not None:
+            self.compiled.clear()
+
     def _forward(self, parts: list[tuple[SlotKV, int, int, bool]], tokens_in: mx.array,
                  reserve: bool = True) -> tuple[mx.array | None, list[mx.array]]:
         """Queue the forward of (kv, start, length, sample) parts fed `tokens_in`; logits
@@ -95,9 +101,9 @@ class ModelRunner:
             row += length
             if sample:
                 logit_rows.append(row - 1)
-        if self.compiled is not None and self.compiled.applies(batch, logit_rows):
-            logits = self.compiled(tokens_in, batch)
-        else:
+        logits = (self.compiled.run(tokens_in, batch, logit_rows)
+                  if self.compiled is not None else None)
+        if logits is None:
             logits = self.model(tokens_in, batch, logit_rows)  # type: ignore[operator]
         return logits, (batch.pool.arrays() if batch.pool is not None else [])
 

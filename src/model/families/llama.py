@@ -55,8 +55,8 @@ class Attention:
         else:
             q, k, v = self.split_heads(x)
             q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
-        out = attend(q, k, v, batch, layer, self.scale)
-        return self.o(out.reshape(out.shape[0], -1))
+        out = attend(q, k, v, batch, layer, self.scale)  # in q's shape
+        return self.o(out if out.ndim == 2 else out.reshape(out.shape[0], -1))
 
 
 class MLP:

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from slotserve.kernels import cuda
 from slotserve.model.config import ModelConfig
 from slotserve.model.families import llama, qwen3
 from slotserve.model.layers import Batch, Linear, Rope, rms_norm
@@ -101,6 +102,7 @@ class SparseMoE:
         # than 8+), so there padding rows go through the experts too, as through every Linear
         # (routed to row 0's experts, so they read no other expert's weights).
         self.skip_padding = mx.default_device() == mx.cpu
+        self.cuda = cuda.enabled()
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Per row: the k chosen experts [R, k] and their weights [R, k] (x's dtype)."""
@@ -114,8 +116,12 @@ class SparseMoE:
 
     def swiglu(self, x: mx.array, experts: mx.array, grouped: bool = False) -> mx.array:
         gu = self.gate_up(x, experts, grouped)
-        g, u = gu[..., : self.inter], gu[..., self.inter :]
-        return self.down(g * mx.sigmoid(g) * u, experts, grouped)
+        if self.cuda:  # one kernel, no chain of bf16 ops for mx.compile to fuse differently
+            h = cuda.swiglu(gu.reshape(-1, 2 * self.inter)).reshape(*gu.shape[:-1], self.inter)
+        else:
+            g, u = gu[..., : self.inter], gu[..., self.inter :]
+            h = g * mx.sigmoid(g) * u
+        return self.down(h, experts, grouped)
 
     def grouped_swiglu(self, x: mx.array, experts: mx.array) -> mx.array:
         """The same per-pair products, issued expert by expert so weights stay in cache."""
