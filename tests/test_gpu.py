@@ -96,7 +96,11 @@ def test_decode_steps_run_compiled_and_give_the_plain_forwards_bits(harness: Eng
     engine = harness.engine
     assert engine.batcher is not None and engine.loaded is not None and engine.mlx is not None
     compiled = engine.batcher.runner.compiled
-    assert compiled is not None and compiled.traced > 0
+    if compiled is None:  # the engine's start-up check (CompiledDecode.same_bits) said no
+        assert engine.loaded.config.family != "llama", "llama's compiled steps should match"
+        pytest.skip("compiled steps round differently for this family here (MLX's fused "
+                    "elementwise kernels): the engine runs its decode steps plain")
+    assert compiled.traced > 0
     model = engine.loaded.model
 
     def compare() -> None:
