@@ -139,7 +139,7 @@ def prefilled_slots(model: Any, n: int, ctx: int) -> tuple[list[Any], Any]:
         part = list(range(i, min(n, i + per)))
         batch = Batch.build([(kvs[j], 0, ctx) for j in part])
         model(ids[part[0] : part[-1] + 1].reshape(-1), batch, [])
-        mx.eval(_kv_arrays([kvs[j] for j in part]))
+        mx.eval(batch.written())
     return kvs, ids[:, -1]
 
 
@@ -306,7 +306,8 @@ def graph_build_us(reps: int = 200) -> dict[str, float]:
         mx.eval(packed, qkv, cos, pos, tables, qh, gate_up)
         cases.update({
             "q4_matmul": lambda: cuda.q4_matmul(x, *packed),
-            "rope_split": lambda: cuda.rope_split(qkv, cos, cos, pos, 32, 8, 128),
+            "rope_write": lambda: cuda.rope_write(qkv, cos, cos, pos, tables[0, :1], pool, pool,
+                                                  32, 8, 128),
             "paged_attention": lambda: cuda.paged_attention(qh, pool, pool, tables, pos, pos,
                                                             0.088),
             "swiglu": lambda: cuda.swiglu(gate_up),

@@ -82,14 +82,25 @@ def test_paged_attention_probe() -> None:
     assert cuda.attention_invariant(2, 2, 64)
 
 
-def test_rope_split_and_swiglu_match_mlx() -> None:
+def test_rope_write_and_swiglu_match_mlx() -> None:
     heads, kv_heads, d, r = 4, 2, 64, 5
     rope = Rope(d, 10000.0, None, mx.bfloat16)
     pos = mx.array([0, 3, 77, 4095, 12], dtype=mx.int32)
     cos, sin = rope.tables(pos, 4096)
     qkv = mx.random.normal((r, (heads + 2 * kv_heads) * d), key=mx.random.key(5))
     qkv = qkv.astype(mx.bfloat16)
-    q, k, v = cuda.rope_split(qkv, rope.cos, rope.sin, pos, heads, kv_heads, d)
+    # pool rows of each row's K/V per kv head, scattered over a pool of 64 rows
+    write_rows = mx.array(np.random.default_rng(0).permutation(64)[: r * kv_heads]
+                          .reshape(r, kv_heads).astype(np.int32))
+    kpool = mx.zeros((64, d), mx.bfloat16)
+    vpool = mx.zeros((64, d), mx.bfloat16)
+    mx.eval(kpool, vpool)
+    q = cuda.rope_write(qkv, rope.cos, rope.sin, pos, write_rows, kpool, vpool, heads,
+                        kv_heads, d)
+    mx.eval(q)  # writes K/V into the pools in place
+    k, v = kpool[write_rows], vpool[write_rows]  # [r, kv_heads, d]
+    untouched = np.setdiff1d(np.arange(64), np.asarray(write_rows).ravel())
+    assert not np.asarray(kpool[mx.array(untouched)].astype(mx.float32)).any()
     x = qkv.astype(mx.float32).reshape(r, heads + 2 * kv_heads, d)
     c, s = cos.astype(mx.float32), sin.astype(mx.float32)
     want_q = Rope.apply(x[:, :heads], c, s)

@@ -15,8 +15,9 @@ is ~15 small kernels per layer. These replace both on the GPU:
   slot's block table (the pool layout of slotserve.model.kv), online softmax in
   key blocks of 128 at fixed absolute positions. Decode rows and prefill rows are
   the same work, so a position's output never depends on how it was batched.
-* `rope_split` and `swiglu`: the elementwise glue around them in one launch each,
-  so a layer's graph stays short (graph building is host time on every step).
+* `rope_write` and `swiglu`: the elementwise glue around them in one launch each, so
+  a layer's graph stays short (graph building and launching are host time on every
+  step); `rope_write` also puts K/V straight into the pool (no scatter ops).
 
 The tests compare each against a plain MLX reference and check invariance on the
 GPU (tests/test_cuda_kernels.py, marked gpu).
@@ -430,8 +431,10 @@ _ATTENTION_SOURCE = r"""
   }
 """
 
-# qkv [R, (HQ + 2 HKV) * D] -> q [R, HQ*D], k [R, HKV*D] rotated (rotate-half RoPE with
-# the cos/sin rows of each row's position), v [R, HKV*D]; one thread per element pair.
+# qkv [R, (HQ + 2 HKV) * D] -> q [R, HQ*D] rotated (rotate-half RoPE with the cos/sin rows
+# of each row's position); k rotated and v go straight into the KV pool rows write_rows
+# [R, HKV] gives (kpool, vpool [rows, D]: written in place, see rope_write); one thread per
+# element pair
 _ROPE_SOURCE = r"""
   const int R = qkv_shape[0];
   const int W = qkv_shape[1];
@@ -444,14 +447,15 @@ _ROPE_SOURCE = r"""
   const int hd = (i / half) % heads;
   const int r = i / ((size_t)half * heads);
   const size_t src = (size_t)r * W + (size_t)hd * D;
-  const float x1 = static_cast<float>(qkv[src + d]);
-  const float x2 = static_cast<float>(qkv[src + d + half]);
   if (hd >= HQ + HKV) {
-    const size_t dst = ((size_t)r * HKV + (hd - HQ - HKV)) * D;
-    v[dst + d] = qkv[src + d];
-    v[dst + d + half] = qkv[src + d + half];
+    T* vp = const_cast<T*>(vpool);
+    const size_t dst = (size_t)write_rows[(size_t)r * HKV + (hd - HQ - HKV)] * D;
+    vp[dst + d] = qkv[src + d];
+    vp[dst + d + half] = qkv[src + d + half];
     return;
   }
+  const float x1 = static_cast<float>(qkv[src + d]);
+  const float x2 = static_cast<float>(qkv[src + d + half]);
   const int p = positions[r];
   const float c1 = static_cast<float>(cos_t[(size_t)p * D + d]);
   const float c2 = static_cast<float>(cos_t[(size_t)p * D + d + half]);
@@ -464,9 +468,10 @@ _ROPE_SOURCE = r"""
     q[dst + d] = o1;
     q[dst + d + half] = o2;
   } else {
-    const size_t dst = ((size_t)r * HKV + (hd - HQ)) * D;
-    k[dst + d] = o1;
-    k[dst + d + half] = o2;
+    T* kp = const_cast<T*>(kpool);
+    const size_t dst = (size_t)write_rows[(size_t)r * HKV + (hd - HQ)] * D;
+    kp[dst + d] = o1;
+    kp[dst + d + half] = o2;
   }
 """
 
@@ -497,8 +502,8 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
         "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE, _Q4_HEADER),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
                             ["out"], _ATTENTION_SOURCE, ""),
-        "rope_split": (["qkv", "cos_t", "sin_t", "positions"], ["q", "k", "v"], _ROPE_SOURCE,
-                       ""),
+        "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool"],
+                       ["q"], _ROPE_SOURCE, ""),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE, ""),
     }
     inputs, outputs, body, header = sources[name]
@@ -633,7 +638,7 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
                     row_table: mx.array, row_pos: mx.array, scale: float,
                     window: int | None = None) -> mx.array:
     """q [R, Hq, D] or [R, Hq * D]; pools [blocks * 128, D]; tables [S, nb, Hkv] -> bf16
-    output in q's shape (the 2-D form, as rope_split gives q, adds no reshape to the graph)."""
+    output in q's shape (the 2-D form, as rope_write gives q, adds no reshape to the graph)."""
     r, d = q.shape[0], kpool.shape[-1]
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
@@ -663,23 +668,30 @@ def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
 
 # ---- elementwise glue -----------------------------------------------------------------
 
-def rope_split(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array, heads: int,
-               kv_heads: int, head_dim: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Fused QKV rows -> RoPE'd q [R, heads * D], k [R, kv_heads, D] and v [R, kv_heads, D].
+def rope_write(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array,
+               write_rows: mx.array, kpool: mx.array, vpool: mx.array, heads: int,
+               kv_heads: int, head_dim: int) -> mx.array:
+    """Fused QKV rows -> RoPE'd q [R, heads * D]; RoPE'd k and v written into the pool.
 
-    cos/sin: the whole [positions, D] tables; positions: [R] int32.
+    cos/sin: the whole [positions, D] tables; positions: [R] int32; write_rows: [R, kv_heads]
+    int32 pool rows of each row's K/V (Batch.write_rows); kpool/vpool: a layer's pool
+    arrays [rows, D], written in place: MLX sees them only as inputs, so the writes take
+    effect when q is evaluated (the step's attention reads q, so they come first) and
+    nothing else may hold a copy of the pool expecting its old contents. Saves the two
+    scatters per layer a step otherwise adds (four graph ops and two launches).
     """
     r = qkv.shape[0]
+    assert write_rows.shape == (r, kv_heads), "one pool row per row and kv head"
     pairs = r * (heads + 2 * kv_heads) * (head_dim // 2)
-    q, k, v = _kernel("rope_split")(
-        inputs=[qkv, cos, sin, positions],
+    (q,) = _kernel("rope_write")(
+        inputs=[qkv, cos, sin, positions, write_rows, kpool, vpool],
         template=[("T", qkv.dtype), ("D", head_dim), ("HKV", kv_heads)],
         grid=(pairs, 1, 1),
         threadgroup=(256, 1, 1),
-        output_shapes=[(r, heads * head_dim), (r, kv_heads, head_dim), (r, kv_heads, head_dim)],
-        output_dtypes=[qkv.dtype] * 3,
+        output_shapes=[(r, heads * head_dim)],
+        output_dtypes=[qkv.dtype],
     )
-    return q, k, v
+    return q
 
 
 def swiglu(gate_up: mx.array) -> mx.array:

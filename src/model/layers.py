@@ -78,6 +78,9 @@ class Batch:
     order: mx.array | None = None  # puts attention outputs back in row order
     native: RowTables | None = None  # set when the CPU attention kernel runs this step
     cuda: tuple[mx.array, mx.array, mx.array] | None = None  # GPU kernel: RowTables on device
+    # arrays whose evaluation performs K/V writes made in place (cuda.rope_write): a step
+    # that asks for no logits must still evaluate them (see written())
+    effects: list[mx.array] = field(default_factory=list)
 
     @staticmethod
     def build(parts: list[tuple[SlotKV, int, int]], reserve: bool = True) -> Batch:
@@ -153,6 +156,10 @@ class Batch:
             for i, r in enumerate(emitted):
                 inverse[r] = i
             self.order = mx.array(inverse, dtype=mx.int32)
+
+    def written(self) -> list[mx.array]:
+        """What a step's forward must evaluate for its K/V to be in the pool."""
+        return [*self.pool.arrays(), *self.effects] if self.pool is not None else []
 
     @property
     def rows(self) -> int:
@@ -351,8 +358,7 @@ class Rope:
 
 def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scale: float,
            window: int | None = None) -> mx.array:
-    """Write every row's new K/V into the pool, then attend; q/k/v: [R, heads, D] (q may be
-    [R, heads * D] on the CUDA kernels' path, as rope_split gives it); output in q's shape.
+    """Write every row's new K/V into the pool, then attend; q/k/v: [R, heads, D].
 
     All decode rows of one key span go through one batched dispatch; each prefill
     chunk attends over its own slot's positions.

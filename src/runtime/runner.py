@@ -92,7 +92,8 @@ class ModelRunner:
     def _forward(self, parts: list[tuple[SlotKV, int, int, bool]], tokens_in: mx.array,
                  reserve: bool = True) -> tuple[mx.array | None, list[mx.array]]:
         """Queue the forward of (kv, start, length, sample) parts fed `tokens_in`; logits
-        of the sampling parts' last rows, in order, and the pool arrays the step writes."""
+        of the sampling parts' last rows, in order, and what the step must evaluate for its
+        K/V writes (Batch.written)."""
         batch = Batch.build([(kv, start, length) for kv, start, length, _ in parts],
                             reserve=reserve)
         logit_rows: list[int] = []
@@ -105,7 +106,7 @@ class ModelRunner:
                   if self.compiled is not None else None)
         if logits is None:
             logits = self.model(tokens_in, batch, logit_rows)  # type: ignore[operator]
-        return logits, (batch.pool.arrays() if batch.pool is not None else [])
+        return logits, batch.written()
 
     def step(self, work: list[RowWork]) -> StepOutput:
         t0 = time.perf_counter()
@@ -136,7 +137,8 @@ class ModelRunner:
             logits = spec.logits if logits is None else mx.concatenate([spec.logits, logits])
             if order != list(range(logits.shape[0])):  # steady decode: already in order
                 logits = logits[mx.array(order, dtype=mx.int32)]
-            kv_arrays = work[0].kv.pool.arrays()
+            if not fresh:  # (a fresh forward's list has them, and its own K/V writes)
+                kv_arrays = work[0].kv.pool.arrays()
         out = StepOutput(rows=sum(len(w.tokens) for w in work))
         if logits is None:
             mx.eval(kv_arrays)

@@ -13,8 +13,8 @@ from slotserve.model.weights import Tensor
 
 class Attention:
     # Runs as one native block on the CPU (QKV, RoPE, K/V write, attention) when it can,
-    # and splits + rotates q/k in one CUDA kernel on the GPU; subclasses that change q/k
-    # between projection and RoPE (Qwen3's norms) opt out.
+    # and splits + rotates q/k and writes K/V in one CUDA kernel on the GPU; subclasses that
+    # change q/k between projection and RoPE (Qwen3's norms) opt out.
     native_block = True
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
@@ -50,13 +50,18 @@ class Attention:
                 self.scale)
             return mx.array(self.o.kernel.host(out))
         if self.native_block and batch.cuda is not None and rope is not None:
-            q, k, v = cuda.rope_split(self.qkv(x), rope.cos, rope.sin, batch.positions,
-                                      self.heads, self.kv_heads, self.head_dim)
-        else:
-            q, k, v = self.split_heads(x)
-            q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
-        out = attend(q, k, v, batch, layer, self.scale)  # in q's shape
-        return self.o(out if out.ndim == 2 else out.reshape(out.shape[0], -1))
+            pool = batch.pool
+            assert pool is not None and batch.write_rows is not None
+            q = cuda.rope_write(self.qkv(x), rope.cos, rope.sin, batch.positions,
+                                batch.write_rows, pool.keys[layer], pool.values[layer],
+                                self.heads, self.kv_heads, self.head_dim)
+            batch.effects.append(q)  # its K/V writes must run even if no logits are asked
+            return self.o(cuda.paged_attention(q, pool.keys[layer], pool.values[layer],
+                                               *batch.cuda, self.scale))
+        q, k, v = self.split_heads(x)
+        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        out = attend(q, k, v, batch, layer, self.scale)
+        return self.o(out.reshape(out.shape[0], -1))
 
 
 class MLP:
