@@ -280,27 +280,6 @@ _Q4_SOURCE = r"""
   }
 """
 
-# P.V over keys j .. j+U-1 of a block: all their value loads, then their FMAs in key order
-_ATTENTION_HEADER = r"""
-template <int U, int G, int DPL, int D, typename T>
-__device__ __forceinline__ void pv_keys(const T* vb, int j, int lane, const float (*ps)[128],
-                                        float (*pv)[DPL]) {
-  float v[U][DPL];
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int i = 0; i < DPL; ++i)
-      v[u][i] = lane + 32 * i < D ? static_cast<float>(vb[(size_t)(j + u) * D + lane + 32 * i])
-                                  : 0.0f;
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) pv[gg][i] = __fmaf_rn(ps[gg][j + u], v[u][i], pv[gg][i]);
-}
-"""
-
 # One block (128 threads) per (row, kv head); q [R, Hq*D], pools [blocks*128, D],
 # tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e].
 _ATTENTION_SOURCE = r"""
@@ -336,9 +315,9 @@ _ATTENTION_SOURCE = r"""
     float s[G];
 #pragma unroll
     for (int gg = 0; gg < G; ++gg) s[gg] = 0.0f;
-    if (valid) {  // the key row in pieces of 16 loads issued together (latency, not order)
+    if (valid) {  // the key row in pieces of 8 loads issued together (latency, not order)
       const uint4* krow = reinterpret_cast<const uint4*>(kpool + (blk + tid) * D);
-      constexpr int PIECE = D / 8 < 16 ? D / 8 : 16;
+      constexpr int PIECE = D / 8 < 8 ? D / 8 : 8;
 #pragma unroll
       for (int c0 = 0; c0 < D / 8; c0 += PIECE) {
         uint4 kv[PIECE];
@@ -394,9 +373,8 @@ _ATTENTION_SOURCE = r"""
       run_max[gg] = m_new[gg];
     }
     // P.V: warp w takes keys 32w .. 32w+31 of the block (lane l: dimensions l, l+32, ..),
-    // 16 keys' loads in flight at a time, then 8; then thread d sums the warps' partials in
-    // warp order and rescales its running sum: a fixed order, whatever the batch (and the
-    // same order however many loads are in flight)
+    // 8 keys' loads in flight at a time; then thread d sums the warps' partials in warp
+    // order and rescales its running sum: a fixed order, whatever the batch
     {
       const int n = min(128, pos + 1 - jb * 128);
       const int j1 = min(n, warp * 32 + 32);
@@ -407,10 +385,20 @@ _ATTENTION_SOURCE = r"""
 #pragma unroll
         for (int i = 0; i < DPL; ++i) pv[gg][i] = 0.0f;
       int j = warp * 32;
-      for (; j + 16 <= j1; j += 16) pv_keys<16, G, DPL, D>(vb, j, lane, ps, pv);
-      if (j + 8 <= j1) {
-        pv_keys<8, G, DPL, D>(vb, j, lane, ps, pv);
-        j += 8;
+      for (; j + 8 <= j1; j += 8) {
+        float v[8][DPL];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+#pragma unroll
+          for (int i = 0; i < DPL; ++i)
+            v[u][i] = lane + 32 * i < D
+                ? static_cast<float>(vb[(size_t)(j + u) * D + lane + 32 * i]) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+#pragma unroll
+          for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) pv[gg][i] = __fmaf_rn(ps[gg][j + u], v[u][i], pv[gg][i]);
       }
       for (; j < j1; ++j) {
 #pragma unroll
@@ -513,7 +501,7 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     sources = {
         "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE, _Q4_HEADER),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
-                            ["out"], _ATTENTION_SOURCE, _ATTENTION_HEADER),
+                            ["out"], _ATTENTION_SOURCE, ""),
         "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool"],
                        ["q"], _ROPE_SOURCE, ""),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE, ""),
