@@ -89,27 +89,30 @@ def test_rope_write_and_swiglu_match_mlx() -> None:
     cos, sin = rope.tables(pos, 4096)
     qkv = mx.random.normal((r, (heads + 2 * kv_heads) * d), key=mx.random.key(5))
     qkv = qkv.astype(mx.bfloat16)
-    # pool rows of each row's K/V per kv head, scattered over a pool of 64 rows
-    write_rows = mx.array(np.random.default_rng(0).permutation(64)[: r * kv_heads]
-                          .reshape(r, kv_heads).astype(np.int32))
+    # pool rows of each row's K/V per kv head, scattered over a pool of 64 rows; the last
+    # row is padding (the probe's row floor): it gets q but writes no K/V
+    n = r - 1
+    write_rows = mx.array(np.random.default_rng(0).permutation(64)[: n * kv_heads]
+                          .reshape(n, kv_heads).astype(np.int32))
     kpool = mx.zeros((64, d), mx.bfloat16)
     vpool = mx.zeros((64, d), mx.bfloat16)
     mx.eval(kpool, vpool)
     q = cuda.rope_write(qkv, rope.cos, rope.sin, pos, write_rows, kpool, vpool, heads,
                         kv_heads, d)
     mx.eval(q)  # writes K/V into the pools in place
-    k, v = kpool[write_rows], vpool[write_rows]  # [r, kv_heads, d]
+    k, v = kpool[write_rows], vpool[write_rows]  # [n, kv_heads, d]
     untouched = np.setdiff1d(np.arange(64), np.asarray(write_rows).ravel())
-    assert not np.asarray(kpool[mx.array(untouched)].astype(mx.float32)).any()
+    for pool in (kpool, vpool):
+        assert not np.asarray(pool[mx.array(untouched)].astype(mx.float32)).any()
     x = qkv.astype(mx.float32).reshape(r, heads + 2 * kv_heads, d)
     c, s = cos.astype(mx.float32), sin.astype(mx.float32)
     want_q = Rope.apply(x[:, :heads], c, s)
-    want_k = Rope.apply(x[:, heads : heads + kv_heads], c, s)
+    want_k = Rope.apply(x[:n, heads : heads + kv_heads], c[:n], s[:n])
     assert q.shape == (r, heads * d)
     np.testing.assert_allclose(np.asarray(q.reshape(r, heads, d).astype(mx.float32)),
                                np.asarray(want_q), atol=3e-2)
     np.testing.assert_allclose(np.asarray(k.astype(mx.float32)), np.asarray(want_k), atol=3e-2)
-    assert mx.array_equal(v, qkv.reshape(r, -1, d)[:, heads + kv_heads :]).item()
+    assert mx.array_equal(v, qkv.reshape(r, -1, d)[:n, heads + kv_heads :]).item()
     gu = mx.random.normal((r, 2 * 96), key=mx.random.key(6)).astype(mx.bfloat16)
     g, u = gu[:, :96].astype(mx.float32), gu[:, 96:].astype(mx.float32)
     np.testing.assert_allclose(np.asarray(cuda.swiglu(gu).astype(mx.float32)),

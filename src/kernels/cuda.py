@@ -447,7 +447,9 @@ _ROPE_SOURCE = r"""
   const int hd = (i / half) % heads;
   const int r = i / ((size_t)half * heads);
   const size_t src = (size_t)r * W + (size_t)hd * D;
+  const bool writes = r < write_rows_shape[0];  // padding rows (past the real ones) write none
   if (hd >= HQ + HKV) {
+    if (!writes) return;
     T* vp = const_cast<T*>(vpool);
     const size_t dst = (size_t)write_rows[(size_t)r * HKV + (hd - HQ - HKV)] * D;
     vp[dst + d] = qkv[src + d];
@@ -467,7 +469,7 @@ _ROPE_SOURCE = r"""
     const size_t dst = ((size_t)r * HQ + hd) * D;
     q[dst + d] = o1;
     q[dst + d + half] = o2;
-  } else {
+  } else if (writes) {
     T* kp = const_cast<T*>(kpool);
     const size_t dst = (size_t)write_rows[(size_t)r * HKV + (hd - HQ)] * D;
     kp[dst + d] = o1;
@@ -673,15 +675,16 @@ def rope_write(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array,
                kv_heads: int, head_dim: int) -> mx.array:
     """Fused QKV rows -> RoPE'd q [R, heads * D]; RoPE'd k and v written into the pool.
 
-    cos/sin: the whole [positions, D] tables; positions: [R] int32; write_rows: [R, kv_heads]
-    int32 pool rows of each row's K/V (Batch.write_rows); kpool/vpool: a layer's pool
+    cos/sin: the whole [positions, D] tables; positions: [R] int32; write_rows: [n, kv_heads]
+    int32 pool rows of each real row's K/V (Batch.write_rows; rows n.. of qkv are padding
+    up to the probe's row floor and write nothing); kpool/vpool: a layer's pool
     arrays [rows, D], written in place: MLX sees them only as inputs, so the writes take
     effect when q is evaluated (the step's attention reads q, so they come first) and
     nothing else may hold a copy of the pool expecting its old contents. Saves the two
     scatters per layer a step otherwise adds (four graph ops and two launches).
     """
     r = qkv.shape[0]
-    assert write_rows.shape == (r, kv_heads), "one pool row per row and kv head"
+    assert write_rows.shape[0] <= r and write_rows.shape[1] == kv_heads, "pool rows per row"
     pairs = r * (heads + 2 * kv_heads) * (head_dim // 2)
     (q,) = _kernel("rope_write")(
         inputs=[qkv, cos, sin, positions, write_rows, kpool, vpool],
