@@ -151,10 +151,10 @@ def decode_step(model: Any, kvs: list[Any], tok: Any, pos: int, compiled: Any = 
     from slotserve.model.layers import Batch
 
     batch = Batch.build([(kv, pos, 1) for kv in kvs])
-    if compiled is not None and compiled.applies(batch, list(range(len(kvs)))):
-        logits = compiled(tok, batch)
-    else:
-        logits = model(tok, batch, list(range(len(kvs))))
+    rows = list(range(len(kvs)))
+    logits = compiled.run(tok, batch, rows) if compiled is not None else None
+    if logits is None:  # plain: no compiled runner, or a shape's first step
+        logits = model(tok, batch, rows)
     return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 

@@ -12,9 +12,11 @@ RoPE table size). Everything that changes between steps is an input: the tokens,
 row tables, every layer's K/V pool arrays (the step's scatters return new ones, put back
 into the pool as an uncompiled step leaves them) and the RoPE tables (which grow).
 
-The compiled step runs the same kernels on the same operands, so a row gets the same bits
-as through the plain forward; the GPU tests check that (prefill stays uncompiled).
-Traces are kept per shape, least recently used dropped past MAX_TRACES.
+The compiled step runs the same kernels on the same operands, but MLX's compile also fuses
+chains of elementwise ops into one kernel, which may round differently. So the engine runs
+compiled steps only where `same_bits` finds a compiled step bit-identical to the plain
+forward (prefill always runs plain). Traces are kept per shape, least recently used dropped
+past MAX_TRACES.
 """
 
 from __future__ import annotations
@@ -98,11 +100,11 @@ class CompiledDecode:
         self._traces.clear()
         self._last_key = None
 
-    def same_bits(self, rows: int = 3) -> bool:
-        """Whether a compiled decode step gives the plain forward's bits (logits and the K/V
-        it writes), on this model and machine. MLX's compile fuses chains of elementwise
-        ops into one kernel, which may round differently; a step compiled only where this
-        holds keeps a row's output the same whichever way its step ran."""
+    def same_bits(self, rows: int = 3, steps: int = 1) -> bool:
+        """Whether compiled decode steps give the plain forward's bits (logits and the K/V
+        they write), on this model and machine: `steps` greedy steps of `rows` short
+        prompts, each run plain, then again compiled. Compiled steps run only where this
+        holds, so a row's output is the same whichever way its step ran."""
         model = self.model
         kvs = [model.new_kv() for _ in range(rows)]
         try:
@@ -111,20 +113,24 @@ class CompiledDecode:
                 model(mx.arange(5 + i, dtype=mx.int32) * (7 + i), batch, [])
                 mx.eval(batch.written())
             tokens = mx.arange(rows, dtype=mx.int32) + 3
-            parts = [(kv, 5 + i, 1) for i, kv in enumerate(kvs)]
-            batch = Batch.build(parts)
-            if not self.applies(batch, list(range(rows))):
-                return False
-            plain = model(tokens, batch, list(range(rows)))
-            mx.eval(plain, batch.written())
-            want = [_bits(a) for a in (plain, *kvs[0].pool.arrays())]
-            # the same step again, compiled: it writes the same K/V rows, with the same bits
-            # only if it computes them the same way
-            batch = Batch.build(parts)
-            got = self(tokens, batch)
-            mx.eval(got, batch.written())
-            return all(np.array_equal(a, _bits(b)) for a, b in
-                       zip(want, (got, *kvs[0].pool.arrays()), strict=True))
+            for step in range(steps):
+                parts = [(kv, 5 + i + step, 1) for i, kv in enumerate(kvs)]
+                batch = Batch.build(parts)
+                if not self.applies(batch, list(range(rows))):
+                    return False
+                plain = model(tokens, batch, list(range(rows)))
+                mx.eval(plain, batch.written())
+                want = [_bits(a) for a in (plain, *kvs[0].pool.arrays())]
+                # the same step again, compiled: it writes the same K/V rows, with the same
+                # bits only if it computes them the same way
+                batch = Batch.build(parts)
+                got = self(tokens, batch)
+                mx.eval(got, batch.written())
+                if not all(np.array_equal(a, _bits(b)) for a, b in
+                           zip(want, (got, *kvs[0].pool.arrays()), strict=True)):
+                    return False
+                tokens = mx.argmax(got, axis=-1).astype(mx.int32)
+            return True
         finally:
             self.clear()
             for kv in kvs:
