@@ -66,7 +66,6 @@ __device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-
 // 16 bytes global -> shared without passing through registers (sm_80+)
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -77,7 +76,6 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
-
 
 // the 16 codes of one 64-wide group this thread holds (two words) as mma B fragments:
 // bq[2s], bq[2s+1] = k-slots (2t, 2t+1) and (2t+8, 2t+9) of step s
@@ -432,9 +430,9 @@ _ATTENTION_SOURCE = r"""
 """
 
 # qkv [R, (HQ + 2 HKV) * D] -> q [R, HQ*D] rotated (rotate-half RoPE with the cos/sin rows
-# of each row's position); k rotated and v go straight into the KV pool rows write_rows
-# [R, HKV] gives (kpool, vpool [rows, D]: written in place, see rope_write); one thread per
-# element pair
+# of each row's position); k rotated and v go straight into the pool rows that write_rows
+# [n <= R, HKV] gives (kpool, vpool [rows, D], written in place, see rope_write); one thread
+# per element pair
 _ROPE_SOURCE = r"""
   const int R = qkv_shape[0];
   const int W = qkv_shape[1];
