@@ -405,13 +405,12 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
         if next_k is not None:  # slotserve's own 4-bit kernel on the same weights
             tk = _timed(lambda x=x: cuda.q4_matmul(x, *next_k()))
             r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1))
-            if m in (1, 64):  # launch shapes: (column tiles, pipelined, K-split warps)
+            if m in (1, 64):  # launch shapes: (column tiles, K-split warps)
                 r["kernel_variants_us"] = {
-                    f"nt{nt}-{'pipe' if pipe else 'plain'}-k{ks}": round(1e6 * _timed(
-                        lambda x=x, nt=nt, pipe=pipe, ks=ks: cuda.q4_matmul(
-                            x, *next_k(), nt=nt, pipelined=pipe, ksplit=ks)), 1)
-                    for nt, pipe, ks in ((1, True, 8), (2, True, 8), (4, True, 8),
-                                         (2, False, 8))
+                    f"nt{nt}-k{ks}": round(1e6 * _timed(
+                        lambda x=x, nt=nt, ks=ks: cuda.q4_matmul(
+                            x, *next_k(), nt=nt, ksplit=ks)), 1)
+                    for nt, ks in ((1, 8), (2, 8), (4, 8), (2, 4))
                     if n_out % (8 * nt) == 0 and n_in % (128 * ks) == 0}
         out.append(r)
         emit({"micro_matmul": r})

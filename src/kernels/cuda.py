@@ -179,10 +179,9 @@ _Q4_SOURCE = r"""
   const uint4* wv = reinterpret_cast<const uint4*>(wp);
   const uint4* sv = reinterpret_cast<const uint4*>(sp);
 
-  // PIPE: each warp streams its chunks through its own ring of STAGES shared-memory slots
-  // with cp.async (STAGES - 1 chunks in flight, no registers held for them); otherwise
-  // plain loads. The arithmetic is the same either way (the tests check the bits).
-  // the rings share their memory with the K-split reduction at the end
+  // each warp streams its chunks through its own ring of STAGES shared-memory slots with
+  // cp.async (STAGES - 1 chunks in flight, no registers held for them); the rings share
+  // their memory with the K-split reduction at the end
   // STAGES (a template argument) slots per warp; the memory is dynamic shared memory sized
   // by q4_matmul (over 48 KB when a deep ring or 8 column tiles ask for it)
   extern __shared__ uint4 smem[];
@@ -200,34 +199,21 @@ _Q4_SOURCE = r"""
     }
     cp_async_commit();
   };
-  if (PIPE) {
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) issue(i);
-  }
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
 #pragma unroll 1
   for (int i = 0; i < per_warp; ++i) {
     const int ch = c0 + i, slot = i % STAGES;
-    uint4 wq[NT], sq[NT];  // the plain path's loads (the pipelined one reads the ring)
-    if (PIPE) {
-      issue(i + STAGES - 1);  // into the slot read in iteration i - 1
-      cp_async_wait<STAGES - 1>();  // this thread's copies of chunk i have landed
-      __syncwarp();  // ... and every lane's (the scales come from lanes 0-3)
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        wq[nt] = wv[((size_t)(tile0 + nt) * chunks + ch) * 32 + lane];
-        sq[nt] = sv[((size_t)(tile0 + nt) * chunks + ch) * 4 + t];
-      }
-    }
+    issue(i + STAGES - 1);  // into the slot read in iteration i - 1
+    cp_async_wait<STAGES - 1>();  // this thread's copies of chunk i have landed
+    __syncwarp();  // ... and every lane's (the scales come from lanes 0-3)
     // word j of this lane's weights / scales of column tile nt, read where it is used so
     // no registers hold a whole chunk
     auto wword = [&](int nt, int j) -> uint32_t {
-      return PIPE ? reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][lane])[j]
-                  : reinterpret_cast<const uint32_t*>(&wq[nt])[j];
+      return reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][lane])[j];
     };
     auto sword = [&](int nt, int j) -> uint32_t {
-      return PIPE ? reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][32 + t])[j]
-                  : reinterpret_cast<const uint32_t*>(&sq[nt])[j];
+      return reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][32 + t])[j];
     };
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
@@ -251,11 +237,11 @@ _Q4_SOURCE = r"""
         }
       }
     }
-    if (PIPE) __syncwarp();  // every lane is done with the slot before it is refilled
+    __syncwarp();  // every lane is done with the slot before it is refilled
   }
 
   // the K-split partials, summed in warp order, one row tile at a time
-  if (PIPE) __syncthreads();  // every warp is done with its ring
+  __syncthreads();  // every warp is done with its ring
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     if (mt >= mt_live) break;  // uniform across the block
@@ -565,9 +551,9 @@ def _k_split(chunks: int) -> int:
     return next(s for s in (8, 4, 2, 1) if chunks % s == 0)
 
 
-def _shared_bytes(nt: int, ksplit: int, stages: int, pipelined: bool) -> int:
+def _shared_bytes(nt: int, ksplit: int, stages: int) -> int:
     """Dynamic shared memory of a q4_matmul launch: the rings, or the K-split reduction."""
-    ring = ksplit * stages * nt * 36 * 16 if pipelined else 0  # 32 weight + 4 scale uint4
+    ring = ksplit * stages * nt * 36 * 16  # 32 weight + 4 scale uint4 a column tile
     reduction = ksplit * nt * 4 * 32 * 4
     return max(ring, reduction)
 
@@ -596,12 +582,12 @@ def _launch(m: int, n: int) -> tuple[int, int, int]:
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
-              pipelined: bool = True, ksplit: int | None = None, stages: int | None = None,
+              ksplit: int | None = None, stages: int | None = None,
               mt: int | None = None) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
-    mt (row tiles per block), nt (column tiles per block), stages (ring depth) and
-    pipelined change only the speed, never the bits; ksplit changes the summation order
+    mt (row tiles per block), nt (column tiles per block) and stages (ring depth) change
+    only the speed, never the bits; ksplit changes the summation order
     and is for the micro-benchmark only (the engine keeps the one derived from K, which is
     what makes rows batch-invariant).
     """
@@ -610,10 +596,9 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, nt: int | None = None,
     ksplit = ksplit or _k_split(k // 128)
     rule = _launch(m, n)
     mt, nt, stages = mt or rule[0], nt or rule[1], stages or rule[2]
-    (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages, pipelined))(
+    (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages))(
         inputs=[x.astype(mx.bfloat16), wp, sp],
-        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("PIPE", pipelined),
-                  ("STAGES", stages)],
+        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("STAGES", stages)],
         grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n)],
