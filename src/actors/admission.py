@@ -14,6 +14,9 @@ placed on a free slot that adopts those pages — so more agents than slots stil
 skip re-prefill. At most `max_parked` conversations are kept (default: as many as
 slots) and they count against the KV budget; parked KV is evicted first, least
 recently used first, when bytes are needed.
+
+A new chat that opens with tokens another conversation holds (an agent's system prompt)
+starts from that conversation's full KV pages, shared, not copied (`_share_prefix`).
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ from dataclasses import dataclass
 
 from slotserve.actors.messages import GenerationRequest
 from slotserve.actors.slot import Slot, common_prefix
+from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import GROW_STEP, SlotKV
 
 MIN_REUSE = 16  # prefix tokens a retained slot must match to be chosen for reuse
+# tokens of a retained conversation a request may drop when it takes that KV in place: its
+# own next turn (the end of the last answer re-rendered); any other match shares pages
+REUSE_TAIL = 16
 
 
 class AdmissionError(Exception):
@@ -172,6 +179,8 @@ class Admission:
             return False
         if parked is not None:
             slot.adopt(parked.ledger, parked.kv)
+        elif not reuse:
+            self._share_prefix(slot, req.prompt_ids)
         # free retained KV until the charge fits: parked conversations first, then other
         # idle slots, least recently used first
         while self.busy_bytes + charge + self.retained_bytes(slot) > self.kv_budget:
@@ -180,6 +189,25 @@ class Admission:
         self.charged[slot.id] = charge
         place(slot)
         return True
+
+    def _share_prefix(self, slot: Slot, prompt: list[int]) -> None:
+        """Start an empty slot with the full KV pages of the longest prefix of `prompt` that
+        another conversation holds (a slot's, busy or not, or a parked one): a new chat that
+        opens with an agent's system prompt skips prefilling it, and that conversation keeps
+        all of its KV. Pages are shared, not copied (SlotKV.share_prefix); the K/V in them
+        are what a prefill of the same tokens at the same positions computes (the
+        invariance rules), so the output is the same bits as a cold start."""
+        limit = (len(prompt) - 1) // BLOCK  # the last prompt token is always fed
+        donors = [(s.ledger, s.kv) for s in self.slots if s is not slot and s.kv.pages]
+        donors += [(p.ledger, p.kv) for p in self.parked]
+        best, source = 0, None
+        for ledger, kv in donors:
+            pages = min(common_prefix(ledger, prompt) // BLOCK, limit)
+            if pages > best:
+                best, source = pages, (ledger, kv)
+        if source is not None:
+            slot.kv.share_prefix(source[1], best)
+            slot.ledger = source[0][: best * BLOCK]
 
     def _park(self, slot: Slot) -> None:
         if self.max_parked <= 0:
@@ -220,13 +248,15 @@ class Admission:
         The longest exact prefix match wins, in a free slot or parked (a free slot then
         adopts it); otherwise an empty slot, else the least recently used one, whose
         conversation is parked. A match counts only when it is at least MIN_REUSE tokens
-        (not just the chat template's opening) and reusing it throws away no more than it
-        keeps: a new chat that only shares the system prompt must not truncate an agent's
-        long conversation; that conversation is parked instead.
+        (not just the chat template's opening) and reusing it in place throws away at most
+        REUSE_TAIL tokens of that conversation (its own next turn, re-rendered): a new chat
+        that only shares the system prompt must not truncate another conversation. That
+        conversation is parked instead, and the new chat starts from its full pages of the
+        shared prefix (_share_prefix).
         """
 
         def worth(match: int, resident: int) -> bool:
-            return match >= MIN_REUSE and resident - match <= match
+            return match >= MIN_REUSE and resident - match <= REUSE_TAIL
 
         slot_matches = [(s.prefix_match(prompt), s.last_used, s) for s in free]
         best_slot = max((m for m in slot_matches if worth(m[0], len(m[2].ledger))),

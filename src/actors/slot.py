@@ -157,7 +157,8 @@ class Slot(Actor[SlotMessage]):
     def _assign(self, msg: Assign) -> None:
         req = msg.request
         self.request, self.session = req, msg.session  # type: ignore[assignment]
-        self.reused = self.prefix_match(req.prompt_ids)
+        # from the first position this request writes on, no page may be another's
+        self.reused = self.kv.writable_from(self.prefix_match(req.prompt_ids))
         self.ledger = self.ledger[: self.reused]
         self.pending = list(req.prompt_ids[self.reused :])
         self.generated = 0

@@ -11,7 +11,10 @@ block), so
   slot's blocks by index): no per-step copy of anyone's keys,
 * memory follows what is written: pages are taken as positions are reserved and
   given back when a slot's retained KV is evicted; the pool grows (never shrinks)
-  to its high-water mark, never to max_slots x context up front.
+  to its high-water mark, never to max_slots x context up front,
+* full pages of a prefix can be shared between slots (a new chat that starts with the
+  system prompt another conversation holds): pages carry a reference count, and a slot
+  never writes into a page another holds (SlotKV.writable_from).
 
 Page bookkeeping is plain Python under a lock (the event loop evicts, the MLX
 thread reserves); the arrays are touched only on the MLX thread.
@@ -40,6 +43,7 @@ class KVPool:
         self.dtype = dtype
         self.pages = 0
         self.free: list[int] = []
+        self.refs: list[int] = []  # per page: how many slots' KV hold it (0: free)
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         self._lock = threading.Lock()
@@ -69,6 +73,7 @@ class KVPool:
             self.values = [mx.concatenate([v, mx.zeros(shape, self.dtype)]) for v in self.values]
         mx.eval(self.keys, self.values)
         self.free.extend(range(self.pages + extra - 1, self.pages - 1, -1))
+        self.refs.extend([0] * extra)
         self.pages += extra
 
     def arrays(self) -> list[mx.array]:
@@ -88,11 +93,27 @@ class KVPool:
                 need = n - len(self.free)
                 self._grow(max(need, int(self.pages * POOL_GROWTH), 1))
             taken = [self.free.pop() for _ in range(n)]
+            for p in taken:
+                self.refs[p] = 1
         return taken
 
-    def release(self, pages: list[int]) -> None:
+    def share(self, pages: list[int]) -> None:
+        """One more holder of each of these pages."""
         with self._lock:
-            self.free.extend(reversed(pages))
+            for p in pages:
+                assert self.refs[p] > 0, "sharing a free page"
+                self.refs[p] += 1
+
+    def shared(self, page: int) -> bool:
+        return self.refs[page] > 1
+
+    def release(self, pages: list[int]) -> None:
+        """One holder less of each page; a page nobody holds is free again."""
+        with self._lock:
+            for p in reversed(pages):
+                self.refs[p] -= 1
+                if self.refs[p] == 0:
+                    self.free.append(p)
 
 
 @cache
@@ -158,6 +179,29 @@ class SlotKV:
         table = pages[:, None] * heads + np.arange(heads)[None, :]
         self._blocks = (span, table)
         return table
+
+    def share_prefix(self, other: SlotKV, pages: int) -> None:
+        """Hold the first `pages` pages of `other` too (this KV must be empty): positions
+        0 .. pages * BLOCK - 1 then read the same K/V without computing it again."""
+        assert not self.pages and pages <= len(other.pages)
+        shared = other.pages[:pages]
+        self.pool.share(shared)
+        self.pages = list(shared)
+        self._blocks = None
+
+    def writable_from(self, start: int) -> int:
+        """Make positions start.. writable (no page from the one holding `start` on is
+        held by another slot) and return the position writing may resume from: `start`,
+        or the start of its page when that page was shared (dropped, so recomputed)."""
+        first = start // BLOCK
+        shared = next((j for j in range(first, len(self.pages))
+                       if self.pool.shared(self.pages[j])), None)
+        if shared is None:
+            return start
+        dropped, self.pages = self.pages[shared:], self.pages[:shared]
+        self._blocks = None
+        self.pool.release(dropped)
+        return start if shared > first else first * BLOCK
 
     def release(self) -> None:
         """Give every page back (slot evicted)."""
