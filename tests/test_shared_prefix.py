@@ -4,6 +4,7 @@ tokens as a cold start, and the other conversation keeps all of its KV."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from engine_harness import EngineHarness
 
 from slotserve.actors.messages import Delta
+from slotserve.actors.slot import common_prefix
 from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import KVPool, SlotKV
 
@@ -135,3 +137,12 @@ def test_a_slot_never_writes_into_a_page_another_holds() -> None:
     # but it too must not write into the page b still holds
     assert a.writable_from(5) == 0 and a.pages == []
     assert b.writable_from(BLOCK) == BLOCK and len(b.pages) == 1
+
+
+def test_common_prefix_matches_the_plain_definition() -> None:
+    rng = random.Random(0)
+    base = [rng.randrange(50_000) for _ in range(1200)]
+    for k in [*range(0, 40), 255, 256, 257, 271, 272, 1023, 1199, 1200]:
+        other = [*base[:k], -1, *base[k + 1 :]]
+        assert common_prefix(base, other) == k
+        assert common_prefix(base[:k], base) == common_prefix(base, base[:k]) == k

@@ -39,10 +39,14 @@ if TYPE_CHECKING:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix. Compared a chunk at a time (list equality runs
+    in C): admission compares a prompt with every conversation's ledger, and agents share
+    system prompts thousands of tokens long."""
     n = min(len(a), len(b))
     i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
+    for chunk in (256, 16, 1):
+        while i + chunk <= n and a[i : i + chunk] == b[i : i + chunk]:
+            i += chunk
     return i
 
 
