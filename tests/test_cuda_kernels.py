@@ -117,3 +117,79 @@ def test_rope_write_and_swiglu_match_mlx() -> None:
     g, u = gu[:, :96].astype(mx.float32), gu[:, 96:].astype(mx.float32)
     np.testing.assert_allclose(np.asarray(cuda.swiglu(gu).astype(mx.float32)),
                                np.asarray(g * mx.sigmoid(g) * u), atol=3e-2)
+
+
+def test_q4_matmul_gate_up_gives_swiglu_bits() -> None:
+    inter, n_in = 256, 1024
+    w = mx.random.normal((2 * inter, n_in), key=mx.random.key(7)) * n_in**-0.5
+    q, s, b = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
+    plain = cuda.q4_pack(q, s, b)
+    order = cuda.paired_rows(inter)
+    paired = cuda.q4_pack(q[order], s[order], b[order])
+    x = mx.random.normal((130, n_in), key=mx.random.key(8)).astype(mx.bfloat16)
+    for m in (1, 5, 16, 17, 33, 64, 130):  # one launch up to 32 rows, matmul + swiglu over it
+        want = cuda.swiglu(cuda.q4_matmul(x[:m], *plain))
+        got = cuda.q4_matmul(x[:m], *paired, gate_up=True)
+        assert got.shape == (m, inter)
+        assert mx.array_equal(got, want).item(), m
+        assert mx.array_equal(cuda.swiglu(cuda.q4_matmul(x[:m], *paired), paired=True),
+                              want).item(), m
+
+
+def test_add_rms_matches_mlx_and_rows_stand_alone() -> None:
+    r, hidden, eps = 9, 640, 1e-5
+    x = mx.random.normal((r, hidden), key=mx.random.key(10)).astype(mx.bfloat16)
+    y = mx.random.normal((r, hidden), key=mx.random.key(11)).astype(mx.bfloat16)
+    w = (1 + 0.1 * mx.random.normal((hidden,), key=mx.random.key(12))).astype(mx.bfloat16)
+    h, n = cuda.add_rms(x, y, w, eps)
+    assert mx.array_equal(h, x + y).item()
+    want = mx.fast.rms_norm(h.astype(mx.float32), w.astype(mx.float32), eps)
+    np.testing.assert_allclose(np.asarray(n.astype(mx.float32)), np.asarray(want), atol=3e-2)
+    for i in (0, 4, 8):
+        hi, ni = cuda.add_rms(x[i : i + 1], y[i : i + 1], w, eps)
+        assert mx.array_equal(ni[0], n[i]).item() and mx.array_equal(hi[0], h[i]).item()
+    h0, n0 = cuda.add_rms(x, None, w, eps)
+    assert mx.array_equal(h0, x).item()
+    want0 = mx.fast.rms_norm(x.astype(mx.float32), w.astype(mx.float32), eps)
+    np.testing.assert_allclose(np.asarray(n0.astype(mx.float32)), np.asarray(want0), atol=3e-2)
+
+
+def test_l2_prefetch_changes_no_bits() -> None:
+    packed, _ = _q4(512, 2048, 13)
+    x = mx.random.normal((64, 2048), key=mx.random.key(14)).astype(mx.bfloat16)
+    w = mx.ones((2048,), mx.bfloat16)
+    hkv, group, d = 2, 4, 64
+    k = [mx.random.normal((hkv, 2 * BLOCK, d), key=mx.random.key(15)).astype(mx.bfloat16)]
+    v = [mx.random.normal((hkv, 2 * BLOCK, d), key=mx.random.key(16)).astype(mx.bfloat16)]
+    kpool, tables = paged_blocks(k)
+    vpool, _ = paged_blocks(v)
+    q = mx.random.normal((3, hkv * group * d), key=mx.random.key(17)).astype(mx.bfloat16)
+    rows = mx.zeros((3,), mx.int32), mx.array([5, 130, 255], dtype=mx.int32)
+    rope = Rope(d, 10000.0, None, mx.bfloat16)
+    rope.reserve(256)
+    qkv = mx.random.normal((2, (group + 2) * hkv * d), key=mx.random.key(18)).astype(mx.bfloat16)
+
+    def outputs() -> list[mx.array]:
+        pools = mx.zeros((16, d), mx.bfloat16), mx.zeros((16, d), mx.bfloat16)  # fresh each run
+        mx.eval(pools)
+        outs = [cuda.q4_matmul(x[:m], *packed) for m in (1, 16, 64)]
+        outs += list(cuda.add_rms(x[:3], x[3:6], w, 1e-5, pre=packed))
+        outs.append(cuda.paged_attention(q, kpool.reshape(-1, d), vpool.reshape(-1, d), tables,
+                                         *rows, d**-0.5, pre=packed))
+        outs.append(cuda.rope_write(qkv, rope.cos, rope.sin, rows[1][:2],
+                                    mx.arange(4, dtype=mx.int32).reshape(2, hkv), *pools,
+                                    hkv * group, hkv, d, pre=packed))
+        mx.eval(outs)
+        outs.append(pools[0])  # its K writes
+        return outs
+
+    level = cuda.PREFETCH
+    try:
+        results = []
+        for lvl in (0, 1, 2):
+            cuda.PREFETCH = lvl
+            results.append(outputs())
+    finally:
+        cuda.PREFETCH = level
+    for other in results[1:]:
+        assert all(mx.array_equal(a, b).item() for a, b in zip(results[0], other, strict=True))

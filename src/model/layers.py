@@ -204,17 +204,23 @@ class Linear:
         if pack:
             self.pack_for_gpu()
 
-    def pack_for_gpu(self) -> None:
-        """Repack 4-bit weights for slotserve's CUDA kernel when it applies (GPU, bf16)."""
+    def packable(self) -> bool:
+        """slotserve's CUDA 4-bit kernel applies (GPU, bf16, a supported shape)."""
         q = self.q
-        if (q is not None and self.q4 is None and self.compute_dtype == mx.bfloat16
-                and cuda.enabled()
-                and cuda.q4_supported(q.shape[1], q.shape[0], q.bits, q.group_size)):
+        return (q is not None and self.compute_dtype == mx.bfloat16 and cuda.enabled()
+                and cuda.q4_supported(q.shape[1], q.shape[0], q.bits, q.group_size))
+
+    def pack_for_gpu(self) -> None:
+        """Repack 4-bit weights for slotserve's CUDA kernel when it applies."""
+        if self.q4 is None and self.packable():
+            q = self.q
+            assert q is not None
             self.q4 = cuda.q4_pack(q.weight, q.scales, q.biases)
             mx.eval(self.q4)
 
     @staticmethod
-    def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool) -> Linear:
+    def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool,
+              pack: bool = True) -> Linear:
         """One matrix for several projections of the same input (QKV, gate+up)."""
         if keep_quantized and all(isinstance(p, QuantizedWeight) for p in parts):
             qs: list[QuantizedWeight] = parts  # type: ignore[assignment]
@@ -229,6 +235,7 @@ class Linear:
                     ),
                     compute_dtype,
                     True,
+                    pack,
                 )
         exact = _use_cpu_kernel(compute_dtype, keep_quantized) and native.library()
         dense = [
@@ -237,7 +244,7 @@ class Linear:
         ]
         if len({d.dtype for d in dense}) > 1 or not exact:
             dense = [d.astype(compute_dtype) for d in dense]
-        return Linear(mx.concatenate(dense), compute_dtype, False)
+        return Linear(mx.concatenate(dense), compute_dtype, False, pack)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.kernel is not None:

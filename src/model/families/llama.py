@@ -37,7 +37,10 @@ class Attention:
         return q, k, v
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array, rope: Rope | None = None) -> mx.array:
+                 sin: mx.array, rope: Rope | None = None,
+                 pre: tuple[mx.array, mx.array] | None = None) -> mx.array:
+        """pre: packed weights of the matmul after this attention (the CUDA kernels prefetch
+        them, see cuda.PREFETCH)."""
         lib = native.library()
         if (self.native_block and batch.native is not None and rope is not None
                 and lib is not None and self.qkv.kernel is not None
@@ -54,10 +57,10 @@ class Attention:
             assert pool is not None and batch.write_rows is not None
             q = cuda.rope_write(self.qkv(x), rope.cos, rope.sin, batch.positions,
                                 batch.write_rows, pool.keys[layer], pool.values[layer],
-                                self.heads, self.kv_heads, self.head_dim)
+                                self.heads, self.kv_heads, self.head_dim, pre=self.o.q4)
             batch.effects.append(q)  # its K/V writes must run even if no logits are asked
             return self.o(cuda.paged_attention(q, pool.keys[layer], pool.values[layer],
-                                               *batch.cuda, self.scale))
+                                               *batch.cuda, self.scale, pre=pre))
         q, k, v = self.split_heads(x)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
@@ -68,7 +71,14 @@ class MLP:
     def __init__(self, w: dict[str, Tensor], p: str, dtype: mx.Dtype, quant: bool) -> None:
         gate = w[f"{p}.gate_proj.weight"]
         self.inter = gate.shape[0]
-        self.gate_up = Linear.fused([gate, w[f"{p}.up_proj.weight"]], dtype, quant)
+        self.gate_up = Linear.fused([gate, w[f"{p}.up_proj.weight"]], dtype, quant, pack=False)
+        # on the CUDA 4-bit kernel, gate and up rows in tile pairs: silu(gate) * up comes out
+        # of the matmul's own launch
+        self.paired = self.gate_up.packable() and self.inter % 8 == 0
+        if self.paired:
+            assert self.gate_up.q is not None
+            self.gate_up.q = self.gate_up.q.take_rows(cuda.paired_rows(self.inter))
+        self.gate_up.pack_for_gpu()
         self.down = Linear(w[f"{p}.down_proj.weight"], dtype, quant)
         self.cuda = cuda.enabled()  # the model is built on the device it will run on
 
@@ -76,6 +86,9 @@ class MLP:
         lib = native.library()
         if lib is not None and self.gate_up.kernel is not None and self.down.kernel is not None:
             return cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x)
+        if self.paired:
+            assert self.gate_up.q4 is not None
+            return self.down(cuda.q4_matmul(x, *self.gate_up.q4, gate_up=True))
         gu = self.gate_up(x)
         if self.cuda:
             return self.down(cuda.swiglu(gu))
@@ -84,6 +97,10 @@ class MLP:
 
 
 class Block:
+    # the CUDA path runs each residual add and the RMS norm after it as one kernel
+    # (forward_cuda); a family whose block differs opts out
+    fused_norms = True
+
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, dtype: mx.Dtype,
                  quant: bool) -> None:
         p = f"model.layers.{i}"
@@ -97,6 +114,17 @@ class Block:
                  sin: mx.array, rope: Rope | None = None) -> mx.array:
         h = x + self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin, rope)
         return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+
+    def forward_cuda(self, h: mx.array, n: mx.array, batch: Batch, layer: int, cos: mx.array,
+                     sin: mx.array, rope: Rope, next_norm: mx.array,
+                     next_pre: tuple[mx.array, mx.array] | None
+                     ) -> tuple[mx.array, mx.array]:
+        """h: the residual stream, n = rms_norm(h, in_norm) -> the same pair for the next
+        layer (normed by next_norm, the next layer's input norm or the final one)."""
+        gate_up = self.mlp.gate_up.q4
+        a = self.attn(n, batch, layer, cos, sin, rope, pre=gate_up)
+        h, n = cuda.add_rms(h, a, self.post_norm, self.eps, pre=gate_up)
+        return cuda.add_rms(h, self.mlp(n), next_norm, self.eps, pre=next_pre)
 
 
 class Model:
@@ -133,10 +161,36 @@ class Model:
         max_pos = max(s.start + s.length for s in batch.segments)
         cos, sin = self.rope.tables(batch.positions, max_pos)
         x = self.embed_tokens(batch.pad_tokens(tokens))
-        for i, layer in enumerate(self.layers):
-            x = layer(x, batch, i, cos, sin, self.rope)
+        normed = self.fused_norms(batch)
+        if normed:
+            x = self._layers_cuda(x, batch, cos, sin)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, batch, i, cos, sin, self.rope)
         if not logit_rows:
             return None
-        x = x[mx.array(logit_rows, dtype=mx.int32)]
-        x = rms_norm(pad_rows(x), self.norm, self.config.rms_norm_eps)
+        x = pad_rows(x[mx.array(logit_rows, dtype=mx.int32)])
+        if not normed:
+            x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return self.lm_head(x)[: len(logit_rows)].astype(mx.float32)
+
+    def fused_norms(self, batch: Batch) -> bool:
+        return (batch.cuda is not None and self.block_class.fused_norms
+                and cuda.norm_supported(self.dtype))
+
+    def _layers_cuda(self, x: mx.array, batch: Batch, cos: mx.array, sin: mx.array
+                     ) -> mx.array:
+        """All layers through Block.forward_cuda; returns the final-normed rows. Each norm
+        kernel prefetches the next matmul's weights (see cuda.PREFETCH)."""
+        eps = self.config.rms_norm_eps
+        first = self.layers[0]
+        h, n = cuda.add_rms(x, None, first.in_norm, eps, pre=first.attn.qkv.q4)
+        for i, layer in enumerate(self.layers):
+            if i + 1 < len(self.layers):
+                following = self.layers[i + 1]
+                h, n = layer.forward_cuda(h, n, batch, i, cos, sin, self.rope,
+                                          following.in_norm, following.attn.qkv.q4)
+            else:
+                h, n = layer.forward_cuda(h, n, batch, i, cos, sin, self.rope, self.norm,
+                                          self.lm_head.q4)
+        return n
