@@ -593,19 +593,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "sweep_not_compiled")
             runner_obj.compiled = compiled
             report["compiled_traces"] = compiled.traced
-        # L2 prefetch levels side by side (cuda.PREFETCH; the default sweep ran at the
-        # default level); compiled traces hold a level's kernels, so they are dropped
-        default_level = cuda.PREFETCH
-        for level in [int(x) for x in args.prefetch_levels.split(",") if x]:
-            cuda.PREFETCH = level
-            if runner_obj.compiled is not None:
-                engine.mlx.call(runner_obj.compiled.clear)
-            report[f"sweep_prefetch_{level}"] = await sweep(
-                engine, model, [int(x) for x in args.prefetch_streams.split(",")], args,
-                f"sweep_prefetch_{level}")
-        cuda.PREFETCH = default_level
-        if runner_obj.compiled is not None:
-            engine.mlx.call(runner_obj.compiled.clear)
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []
@@ -633,9 +620,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
-    p.add_argument("--prefetch-levels", default="1,0",
-                   help="L2 prefetch levels (cuda.PREFETCH) to sweep after the default one")
-    p.add_argument("--prefetch-streams", default="1,8,64")
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")

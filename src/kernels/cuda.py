@@ -35,15 +35,6 @@ import numpy as np
 GROUP = 64  # quantization group size the matmul kernel handles
 BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
 
-# L2 prefetch (Hopper bulk prefetch; hints that change no value), SLOTSERVE_L2_PREFETCH:
-# 0 none; 1 each kernel's own data (a 4-bit matmul block's whole weight slab, an attention
-# block's next keys and values) requested at once, not chunk by chunk; 2 also, at up to
-# PREFETCH_ROWS rows, the small kernels between two matmuls (norms, RoPE, attention) request
-# the first PREFETCH_BYTES of the next matmul's weights, so HBM is not idle while they run
-PREFETCH = int(os.environ.get("SLOTSERVE_L2_PREFETCH", "2"))
-PREFETCH_ROWS = 16
-PREFETCH_BYTES = 24 << 20  # well inside the H200's 50 MB L2
-
 # helpers every kernel may use
 _COMMON = r"""
 #include <cuda_bf16.h>
@@ -51,30 +42,6 @@ _COMMON = r"""
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
-
-// ask L2 for bytes [0, n) of p (n a multiple of 16) without waiting: Hopper's bulk prefetch,
-// one instruction per 32 KB piece, pieces spread over threads `who` of `many`. A hint: it
-// changes when bytes arrive, never a value
-__device__ __forceinline__ void l2_prefetch(const void* p, size_t n, size_t who, size_t many) {
-  const char* c = static_cast<const char*>(p);
-  for (size_t off = who * 32768; off < n; off += many * 32768) {
-    const unsigned len = n - off < 32768 ? (unsigned)(n - off) : 32768u;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(c + off), "r"(len)
-                 : "memory");
-  }
-}
-"""
-
-# a small kernel's prefetch of the next 4-bit matmul's weights (inputs pre_w, pre_s; template
-# PRE_W, PRE_S: the bytes to fetch from each, 0 for none), over all the kernel's threads: at
-# few rows the small kernels between two matmuls leave HBM idle (see PREFETCH)
-_PREFETCH_NEXT = r"""
-  if (PRE_W > 0) {
-    const size_t who = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const size_t many = (size_t)gridDim.x * blockDim.x;
-    l2_prefetch(pre_w, PRE_W, who, many);
-    l2_prefetch(pre_s, PRE_S, who, many);
-  }
 """
 
 # the 4-bit matmul's helpers
@@ -200,11 +167,6 @@ _Q4_SOURCE = r"""
   const int per_warp = chunks / KSPLIT;
   const int c0 = warp * per_warp;
   const int mt_live = min(MT, (M - m_base + 15) / 16);
-  if (PF && m_base == 0) {  // the block's whole slab (contiguous) requested at once
-    const size_t first = (size_t)tile0 * chunks;
-    l2_prefetch(wp + first * 128, (size_t)NT * chunks * 512, threadIdx.x, blockDim.x);
-    l2_prefetch(sp + first * 16, (size_t)NT * chunks * 64, threadIdx.x, blockDim.x);
-  }
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -337,7 +299,6 @@ _ATTENTION_SOURCE = r"""
   constexpr int DPL = (D + 31) / 32;  // output dimensions per lane in P.V
   __shared__ float pvs[4][G][DPL * 32];  // each warp's P.V partial
   const size_t base = ((size_t)r * HQ + (size_t)h * G) * D;
-PREFETCH_NEXT
   const int tb = row_table[r];
   if (tb < 0) {
     for (int i = tid; i < G * D; i += 128) out[base + i] = __float2bfloat16(0.0f);
@@ -346,17 +307,6 @@ PREFETCH_NEXT
   const int pos = row_pos[r];
   const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
   const int* table = tables + (size_t)tb * nbmax * HKV;
-  // key block jb's keys (thread 0) and values (thread 1) requested from L2 ahead of use, so
-  // the block's dependent loads wait on L2, not HBM
-  auto fetch_kv = [&](int jb) {
-    if (PF && tid < 2 && jb <= pos / 128) {
-      const size_t blk = (size_t)table[jb * HKV + h] * 128;
-      const size_t keys = min(128, pos + 1 - jb * 128);
-      l2_prefetch((tid == 0 ? kpool : vpool) + blk * D, keys * D * sizeof(T), 0, 1);
-    }
-  };
-  fetch_kv(lo / 128);
-  fetch_kv(lo / 128 + 1);
   const float scale = params[0];
   for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = static_cast<float>(q[base + i]);
   __syncthreads();
@@ -364,7 +314,6 @@ PREFETCH_NEXT
 #pragma unroll
   for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   for (int jb = lo / 128; jb <= pos / 128; ++jb) {
-    fetch_kv(jb + 2);
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
     const bool valid = key >= lo && key <= pos;
@@ -485,7 +434,7 @@ PREFETCH_NEXT
     for (int gg = 0; gg < G; ++gg)
       out[base + (size_t)gg * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
   }
-""".replace("PREFETCH_NEXT\n", _PREFETCH_NEXT)
+"""
 
 # qkv [R, (HQ + 2 HKV) * D] -> q [R, HQ*D] rotated (rotate-half RoPE with the cos/sin rows
 # of each row's position); k rotated and v go straight into the pool rows that write_rows
@@ -498,7 +447,6 @@ _ROPE_SOURCE = r"""
   const int HQ = heads - 2 * HKV;
   const int half = D / 2;
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;   // (row, head, d < half)
-PREFETCH_NEXT
   if (i >= (size_t)R * heads * half) return;
   const int d = i % half;
   const int hd = (i / half) % heads;
@@ -532,33 +480,72 @@ PREFETCH_NEXT
     kp[dst + d] = o1;
     kp[dst + d + half] = o2;
   }
-""".replace("PREFETCH_NEXT\n", _PREFETCH_NEXT)
+"""
 
 # x [R, H] (+ y [R, H] when ADD) -> h = x + y (a copy of x without ADD) and n = rms_norm(h) * w,
-# both [R, H], params [eps]; one block of 256 threads per row, squares summed in a fixed order
+# both [R, H], params [eps]; one block of 256 threads per row, each thread up to 4 pieces of 8
+# values (H <= 8192) loaded together and kept in registers, squares summed in a fixed order
+_NORM_THREADS = 256
 _NORM_SOURCE = r"""
   const int H = x_shape[1];
   const int tid = threadIdx.x;
-  const size_t base = (size_t)blockIdx.x * H;
-PREFETCH_NEXT
+  const int pieces = H / 8;
+  const uint4* xr = reinterpret_cast<const uint4*>(x) + (size_t)blockIdx.x * pieces;
+  const uint4* yr = reinterpret_cast<const uint4*>(y) + (size_t)blockIdx.x * pieces;
+  uint4* hr = reinterpret_cast<uint4*>(h) + (size_t)blockIdx.x * pieces;
+  uint4* nr = reinterpret_cast<uint4*>(n) + (size_t)blockIdx.x * pieces;
+  const uint4* wr = reinterpret_cast<const uint4*>(w);
   __shared__ float part[8];
-  float ss = 0.0f;
-  for (int i = tid; i < H; i += 256) {
-    const float sum = static_cast<float>(x[base + i]) + static_cast<float>(y[base + i]);
-    const T v = ADD ? static_cast<T>(sum) : x[base + i];
-    h[base + i] = v;
-    const float f = static_cast<float>(v);
-    ss = __fmaf_rn(f, f, ss);
+  uint4 v[4], o[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int p = tid + 256 * j;
+    if (p < pieces) { v[j] = xr[p]; if (ADD) o[j] = yr[p]; }
   }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (tid + 256 * j >= pieces) break;
+    uint32_t* a = reinterpret_cast<uint32_t*>(&v[j]);
+    const uint32_t* b = reinterpret_cast<const uint32_t*>(&o[j]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float lo = bf_lo(a[e]), hi = bf_hi(a[e]);
+      if (ADD) {
+        __nv_bfloat162 s2 = __floats2bfloat162_rn(lo + bf_lo(b[e]), hi + bf_hi(b[e]));
+        a[e] = *reinterpret_cast<uint32_t*>(&s2);
+        lo = bf_lo(a[e]);
+        hi = bf_hi(a[e]);
+      }
+      ss = __fmaf_rn(lo, lo, ss);
+      ss = __fmaf_rn(hi, hi, ss);
+    }
+    hr[tid + 256 * j] = v[j];
+  }
+  for (int s = 16; s > 0; s >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, s);
   if ((tid & 31) == 0) part[tid >> 5] = ss;
   __syncthreads();
   const float total = ((part[0] + part[1]) + (part[2] + part[3]))
                       + ((part[4] + part[5]) + (part[6] + part[7]));
   const float inv = rsqrtf(total / H + params[0]);
-  for (int i = tid; i < H; i += 256)
-    n[base + i] = static_cast<T>(static_cast<float>(h[base + i]) * inv * static_cast<float>(w[i]));
-""".replace("PREFETCH_NEXT\n", _PREFETCH_NEXT)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int p = tid + 256 * j;
+    if (p >= pieces) break;
+    const uint4 wv = wr[p];
+    const uint32_t* a = reinterpret_cast<const uint32_t*>(&v[j]);
+    const uint32_t* c = reinterpret_cast<const uint32_t*>(&wv);
+    uint4 out;
+    uint32_t* d = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      __nv_bfloat162 r2 = __floats2bfloat162_rn(bf_lo(a[e]) * inv * bf_lo(c[e]),
+                                                bf_hi(a[e]) * inv * bf_hi(c[e]));
+      d[e] = *reinterpret_cast<uint32_t*>(&r2);
+    }
+    nr[p] = out;
+  }
+"""
 
 # gate_up [R, 2I] -> silu(gate) * up [R, I]; gate columns then up columns, or with PAIRED
 # alternating 8-column tiles of each (paired_rows)
@@ -589,10 +576,10 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     sources = {
         "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE, _Q4_HEADER),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params",
-                             "pre_w", "pre_s"], ["out"], _ATTENTION_SOURCE, ""),
+                            ], ["out"], _ATTENTION_SOURCE, ""),
         "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool",
-                        "pre_w", "pre_s"], ["q"], _ROPE_SOURCE, ""),
-        "add_rms": (["x", "y", "w", "params", "pre_w", "pre_s"], ["h", "n"], _NORM_SOURCE, ""),
+                       ], ["q"], _ROPE_SOURCE, ""),
+        "add_rms": (["x", "y", "w", "params"], ["h", "n"], _NORM_SOURCE, ""),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE, ""),
     }
     inputs, outputs, body, header = sources[name]
@@ -710,7 +697,7 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages))(
         inputs=[x.astype(mx.bfloat16), wp, sp],
         template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("STAGES", stages),
-                  ("PF", PREFETCH >= 1 and one_tile), ("SWIGLU", fused)],
+                  ("SWIGLU", fused)],
         grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n // 2 if fused else n)],
@@ -739,39 +726,19 @@ def _scalar(value: float) -> mx.array:
     return mx.array([value], dtype=mx.float32)
 
 
-@cache
-def _nothing() -> mx.array:
-    return mx.zeros((4,), mx.uint32)
-
-
-def _next_weights(pre: tuple[mx.array, mx.array] | None, rows: int
-                  ) -> tuple[list[mx.array], list[tuple[str, int]]]:
-    """The pre_w / pre_s inputs and PRE_W / PRE_S template values of a small kernel that
-    prefetches the next matmul's packed weights `pre` (see PREFETCH)."""
-    if pre is None or PREFETCH < 2 or rows > PREFETCH_ROWS:
-        return [_nothing(), _nothing()], [("PRE_W", 0), ("PRE_S", 0)]
-    wp, sp = pre
-    share = min(1.0, PREFETCH_BYTES / wp.nbytes)  # the same leading share of both
-    return [wp, sp], [("PRE_W", int(wp.nbytes * share) // 16 * 16),
-                      ("PRE_S", int(sp.nbytes * share) // 16 * 16)]
-
-
 def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.array,
                     row_table: mx.array, row_pos: mx.array, scale: float,
-                    window: int | None = None,
-                    pre: tuple[mx.array, mx.array] | None = None) -> mx.array:
+                    window: int | None = None) -> mx.array:
     """q [R, Hq, D] or [R, Hq * D]; pools [blocks * 128, D]; tables [S, nb, Hkv] -> bf16
-    output in q's shape (the 2-D form, as rope_write gives q, adds no reshape to the graph).
-    pre: the next matmul's packed weights, to prefetch (see PREFETCH)."""
+    output in q's shape (the 2-D form, as rope_write gives q, adds no reshape to the graph)."""
     r, d = q.shape[0], kpool.shape[-1]
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
-    pre_inputs, pre_template = _next_weights(pre, r)
     (out,) = _kernel("paged_attention")(
         inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
-                _scalar(scale * 1.4426950408889634), *pre_inputs],  # scale in log2 units
+                _scalar(scale * 1.4426950408889634)],  # scale in log2 units
         template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
-                  ("PF", PREFETCH >= 1), *pre_template],
+                  ],
         grid=(r * hkv * 128, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(r, hq * d)],
@@ -796,8 +763,7 @@ def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
 
 def rope_write(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array,
                write_rows: mx.array, kpool: mx.array, vpool: mx.array, heads: int,
-               kv_heads: int, head_dim: int,
-               pre: tuple[mx.array, mx.array] | None = None) -> mx.array:
+               kv_heads: int, head_dim: int) -> mx.array:
     """Fused QKV rows -> RoPE'd q [R, heads * D]; RoPE'd k and v written into the pool.
 
     cos/sin: the whole [positions, D] tables; positions: [R] int32; write_rows: [n, kv_heads]
@@ -806,16 +772,14 @@ def rope_write(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array,
     arrays [rows, D], written in place: MLX sees them only as inputs, so the writes take
     effect when q is evaluated (the step's attention reads q, so they come first) and
     nothing else may hold a copy of the pool expecting its old contents. Saves the two
-    scatters per layer a step otherwise adds (four graph ops and two launches). pre: the
-    next matmul's packed weights, to prefetch (see PREFETCH).
+    scatters per layer a step otherwise adds (four graph ops and two launches).
     """
     r = qkv.shape[0]
     assert write_rows.shape[0] <= r and write_rows.shape[1] == kv_heads, "pool rows per row"
     pairs = r * (heads + 2 * kv_heads) * (head_dim // 2)
-    pre_inputs, pre_template = _next_weights(pre, r)
     (q,) = _kernel("rope_write")(
-        inputs=[qkv, cos, sin, positions, write_rows, kpool, vpool, *pre_inputs],
-        template=[("T", qkv.dtype), ("D", head_dim), ("HKV", kv_heads), *pre_template],
+        inputs=[qkv, cos, sin, positions, write_rows, kpool, vpool],
+        template=[("T", qkv.dtype), ("D", head_dim), ("HKV", kv_heads)],
         grid=(pairs, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(r, heads * head_dim)],
@@ -824,26 +788,24 @@ def rope_write(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array,
     return q
 
 
-def add_rms(x: mx.array, y: mx.array | None, weight: mx.array, eps: float,
-            pre: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
+def add_rms(x: mx.array, y: mx.array | None, weight: mx.array, eps: float
+            ) -> tuple[mx.array, mx.array]:
     """The residual add and the RMS norm after it in one launch: (h, rms_norm(h) * weight)
-    with h = x + y (x itself, copied, when y is None); x, y [R, H] bf16. pre: the next
-    matmul's packed weights, to prefetch (see PREFETCH)."""
+    with h = x + y (x itself, copied, when y is None); x, y [R, H] bf16 (norm_supported)."""
     r, hidden = x.shape
-    pre_inputs, pre_template = _next_weights(pre, r)
     h, n = _kernel("add_rms")(
-        inputs=[x, x if y is None else y, weight, _scalar(eps), *pre_inputs],
-        template=[("T", x.dtype), ("ADD", y is not None), *pre_template],
-        grid=(r * 256, 1, 1),
-        threadgroup=(256, 1, 1),
+        inputs=[x, x if y is None else y, weight, _scalar(eps)],
+        template=[("T", x.dtype), ("ADD", y is not None)],
+        grid=(r * _NORM_THREADS, 1, 1),
+        threadgroup=(_NORM_THREADS, 1, 1),
         output_shapes=[(r, hidden), (r, hidden)],
         output_dtypes=[x.dtype, x.dtype],
     )
     return h, n
 
 
-def norm_supported(dtype: mx.Dtype) -> bool:
-    return dtype == mx.bfloat16
+def norm_supported(dtype: mx.Dtype, hidden: int) -> bool:
+    return dtype == mx.bfloat16 and hidden % 8 == 0 and hidden <= 8 * 4 * _NORM_THREADS
 
 
 def swiglu(gate_up: mx.array, paired: bool = False) -> mx.array:

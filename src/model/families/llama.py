@@ -37,10 +37,7 @@ class Attention:
         return q, k, v
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array, rope: Rope | None = None,
-                 pre: tuple[mx.array, mx.array] | None = None) -> mx.array:
-        """pre: packed weights of the matmul after this attention (the CUDA kernels prefetch
-        them, see cuda.PREFETCH)."""
+                 sin: mx.array, rope: Rope | None = None) -> mx.array:
         lib = native.library()
         if (self.native_block and batch.native is not None and rope is not None
                 and lib is not None and self.qkv.kernel is not None
@@ -57,10 +54,10 @@ class Attention:
             assert pool is not None and batch.write_rows is not None
             q = cuda.rope_write(self.qkv(x), rope.cos, rope.sin, batch.positions,
                                 batch.write_rows, pool.keys[layer], pool.values[layer],
-                                self.heads, self.kv_heads, self.head_dim, pre=self.o.q4)
+                                self.heads, self.kv_heads, self.head_dim)
             batch.effects.append(q)  # its K/V writes must run even if no logits are asked
             return self.o(cuda.paged_attention(q, pool.keys[layer], pool.values[layer],
-                                               *batch.cuda, self.scale, pre=pre))
+                                               *batch.cuda, self.scale))
         q, k, v = self.split_heads(x)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
@@ -116,15 +113,13 @@ class Block:
         return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
 
     def forward_cuda(self, h: mx.array, n: mx.array, batch: Batch, layer: int, cos: mx.array,
-                     sin: mx.array, rope: Rope, next_norm: mx.array,
-                     next_pre: tuple[mx.array, mx.array] | None
+                     sin: mx.array, rope: Rope, next_norm: mx.array
                      ) -> tuple[mx.array, mx.array]:
         """h: the residual stream, n = rms_norm(h, in_norm) -> the same pair for the next
         layer (normed by next_norm, the next layer's input norm or the final one)."""
-        gate_up = self.mlp.gate_up.q4
-        a = self.attn(n, batch, layer, cos, sin, rope, pre=gate_up)
-        h, n = cuda.add_rms(h, a, self.post_norm, self.eps, pre=gate_up)
-        return cuda.add_rms(h, self.mlp(n), next_norm, self.eps, pre=next_pre)
+        h, n = cuda.add_rms(h, self.attn(n, batch, layer, cos, sin, rope), self.post_norm,
+                            self.eps)
+        return cuda.add_rms(h, self.mlp(n), next_norm, self.eps)
 
 
 class Model:
@@ -176,21 +171,15 @@ class Model:
 
     def fused_norms(self, batch: Batch) -> bool:
         return (batch.cuda is not None and self.block_class.fused_norms
-                and cuda.norm_supported(self.dtype))
+                and cuda.norm_supported(self.dtype, self.config.hidden_size))
 
     def _layers_cuda(self, x: mx.array, batch: Batch, cos: mx.array, sin: mx.array
                      ) -> mx.array:
-        """All layers through Block.forward_cuda; returns the final-normed rows. Each norm
-        kernel prefetches the next matmul's weights (see cuda.PREFETCH)."""
-        eps = self.config.rms_norm_eps
-        first = self.layers[0]
-        h, n = cuda.add_rms(x, None, first.in_norm, eps, pre=first.attn.qkv.q4)
-        for i, layer in enumerate(self.layers):
-            if i + 1 < len(self.layers):
-                following = self.layers[i + 1]
-                h, n = layer.forward_cuda(h, n, batch, i, cos, sin, self.rope,
-                                          following.in_norm, following.attn.qkv.q4)
-            else:
-                h, n = layer.forward_cuda(h, n, batch, i, cos, sin, self.rope, self.norm,
-                                          self.lm_head.q4)
+        """All layers through Block.forward_cuda (each residual add and the norm after it
+        one kernel: two launches a layer, not four); returns the final-normed rows."""
+        layers = self.layers
+        h, n = cuda.add_rms(x, None, layers[0].in_norm, self.config.rms_norm_eps)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].in_norm if i + 1 < len(layers) else self.norm
+            h, n = layer.forward_cuda(h, n, batch, i, cos, sin, self.rope, next_norm)
         return n
