@@ -34,6 +34,10 @@ import numpy as np
 
 GROUP = 64  # quantization group size the matmul kernel handles
 BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
+# the glue fused into fewer launches (add_rms, swiglu in the gate+up matmul's epilogue); read
+# at each forward, so a benchmark can switch it (SLOTSERVE_FUSED_GLUE=0: MLX's add and
+# rms_norm, swiglu in its own launch)
+FUSED_GLUE = os.environ.get("SLOTSERVE_FUSED_GLUE", "1") != "0"
 
 # helpers every kernel may use
 _COMMON = r"""
@@ -689,10 +693,9 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     ksplit = ksplit or _k_split(k // 128)
     rule = _launch(m, n)
     mt, nt, stages = mt or rule[0], nt or rule[1], stages or rule[2]
-    # the prefetch and the swiglu epilogue cost a block of 2+ row tiles registers enough to
-    # halve its occupancy (nvcc 13, sm_90a: 128 -> 153 / 130): single-row-tile launches only
-    one_tile = mt == 1
-    fused = gate_up and one_tile
+    # the swiglu epilogue costs a block of 2 row tiles registers enough to halve its occupancy
+    # (nvcc 13, sm_90a: 128 -> 130): single-row-tile launches only
+    fused = gate_up and mt == 1 and FUSED_GLUE
     assert not fused or nt % 2 == 0, "a block holds whole (gate, up) tile pairs"
     (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages))(
         inputs=[x.astype(mx.bfloat16), wp, sp],

@@ -170,7 +170,7 @@ class Model:
         return self.lm_head(x)[: len(logit_rows)].astype(mx.float32)
 
     def fused_norms(self, batch: Batch) -> bool:
-        return (batch.cuda is not None and self.block_class.fused_norms
+        return (batch.cuda is not None and self.block_class.fused_norms and cuda.FUSED_GLUE
                 and cuda.norm_supported(self.dtype, self.config.hidden_size))
 
     def _layers_cuda(self, x: mx.array, batch: Batch, cos: mx.array, sin: mx.array
