@@ -593,16 +593,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "sweep_not_compiled")
             runner_obj.compiled = compiled
             report["compiled_traces"] = compiled.traced
-        # the glue in separate launches (cuda.FUSED_GLUE off: the same bits), side by side;
-        # compiled traces hold the launches they were traced with, so they are dropped
-        if args.unfused_streams:
-            fused_streams = [int(x) for x in args.unfused_streams.split(",")]
-            for fused in (False, True):
-                cuda.FUSED_GLUE = fused
-                if runner_obj.compiled is not None:
-                    engine.mlx.call(runner_obj.compiled.clear)
-                report[f"sweep_fused_{fused}"] = await sweep(
-                    engine, model, fused_streams, args, f"sweep_fused_{fused}")
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []
@@ -630,9 +620,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
-    p.add_argument("--unfused-streams", default="1,8,64",
-                   help="stream counts to sweep with the glue unfused and fused again, "
-                        "side by side ('' skips it)")
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")

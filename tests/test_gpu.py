@@ -16,6 +16,7 @@ import pytest
 from engine_harness import PROMPTS, EngineHarness
 from engine_harness import alternating_options as options
 
+from slotserve.kernels.attention import BLOCK
 from slotserve.synth import synth
 
 pytestmark = [
@@ -82,6 +83,27 @@ def test_prefix_reuse_invariance(harness: EngineHarness) -> None:
         cold = harness.call(lambda c=convo, i=i: engine.complete(c, **options(i)))
         assert cold.usage.reused_tokens == 0
         assert warm.token_ids == cold.token_ids
+
+
+def test_a_new_chat_shares_a_held_prefix(harness: EngineHarness) -> None:
+    """A new chat whose system prompt another conversation holds starts from that
+    conversation's KV pages (shared; written by the CUDA kernels) and gives cold's tokens."""
+    engine = harness.engine
+    system = " ".join(PROMPTS) * 4  # several KV pages
+
+    def chat(i: int) -> list[int]:
+        return engine.render_chat([{"role": "system", "content": system},
+                                   {"role": "user", "content": PROMPTS[i]}])
+
+    assert len(chat(2)) > 2 * BLOCK
+    engine.drop_retained()
+    harness.call(lambda: engine.complete(chat(0), **options(0)))
+    warm = harness.call(lambda: engine.complete(chat(2), **options(2)))
+    assert warm.usage.reused_tokens >= 2 * BLOCK, warm.usage
+    engine.drop_retained()
+    cold = harness.call(lambda: engine.complete(chat(2), **options(2)))
+    assert cold.usage.reused_tokens == 0
+    assert warm.token_ids == cold.token_ids
 
 
 def test_decode_steps_run_compiled_and_give_the_plain_forwards_bits(harness: EngineHarness) -> None:

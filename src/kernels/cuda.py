@@ -34,10 +34,6 @@ import numpy as np
 
 GROUP = 64  # quantization group size the matmul kernel handles
 BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
-# the glue fused into fewer launches (add_rms, swiglu in the gate+up matmul's epilogue); read
-# at each forward, so a benchmark can switch it (SLOTSERVE_FUSED_GLUE=0: MLX's add and
-# rms_norm, swiglu in its own launch)
-FUSED_GLUE = os.environ.get("SLOTSERVE_FUSED_GLUE", "1") != "0"
 
 # helpers every kernel may use
 _COMMON = r"""
@@ -308,15 +304,15 @@ _ATTENTION_SOURCE = r"""
     for (int i = tid; i < G * D; i += 128) out[base + i] = __float2bfloat16(0.0f);
     return;
   }
-  const int pos = row_pos[r];
-  const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
-  const int* table = tables + (size_t)tb * nbmax * HKV;
   const float scale = params[0];
   for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = static_cast<float>(q[base + i]);
   __syncthreads();
+  const int pos = row_pos[r];
+  const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
   float run_max[G], run_sum[G], acc[G];
 #pragma unroll
   for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
+  const int* table = tables + (size_t)tb * nbmax * HKV;
   for (int jb = lo / 128; jb <= pos / 128; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
@@ -486,71 +482,6 @@ _ROPE_SOURCE = r"""
   }
 """
 
-# x [R, H] (+ y [R, H] when ADD) -> h = x + y (a copy of x without ADD) and n = rms_norm(h) * w,
-# both [R, H], params [eps]; one block of 256 threads per row, each thread up to 4 pieces of 8
-# values (H <= 8192) loaded together and kept in registers, squares summed in a fixed order
-_NORM_THREADS = 256
-_NORM_SOURCE = r"""
-  const int H = x_shape[1];
-  const int tid = threadIdx.x;
-  const int pieces = H / 8;
-  const uint4* xr = reinterpret_cast<const uint4*>(x) + (size_t)blockIdx.x * pieces;
-  const uint4* yr = reinterpret_cast<const uint4*>(y) + (size_t)blockIdx.x * pieces;
-  uint4* hr = reinterpret_cast<uint4*>(h) + (size_t)blockIdx.x * pieces;
-  uint4* nr = reinterpret_cast<uint4*>(n) + (size_t)blockIdx.x * pieces;
-  const uint4* wr = reinterpret_cast<const uint4*>(w);
-  __shared__ float part[8];
-  uint4 v[4], o[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int p = tid + 256 * j;
-    if (p < pieces) { v[j] = xr[p]; if (ADD) o[j] = yr[p]; }
-  }
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    if (tid + 256 * j >= pieces) break;
-    uint32_t* a = reinterpret_cast<uint32_t*>(&v[j]);
-    const uint32_t* b = reinterpret_cast<const uint32_t*>(&o[j]);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float lo = bf_lo(a[e]), hi = bf_hi(a[e]);
-      if (ADD) {
-        __nv_bfloat162 s2 = __floats2bfloat162_rn(lo + bf_lo(b[e]), hi + bf_hi(b[e]));
-        a[e] = *reinterpret_cast<uint32_t*>(&s2);
-        lo = bf_lo(a[e]);
-        hi = bf_hi(a[e]);
-      }
-      ss = __fmaf_rn(lo, lo, ss);
-      ss = __fmaf_rn(hi, hi, ss);
-    }
-    hr[tid + 256 * j] = v[j];
-  }
-  for (int s = 16; s > 0; s >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, s);
-  if ((tid & 31) == 0) part[tid >> 5] = ss;
-  __syncthreads();
-  const float total = ((part[0] + part[1]) + (part[2] + part[3]))
-                      + ((part[4] + part[5]) + (part[6] + part[7]));
-  const float inv = rsqrtf(total / H + params[0]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int p = tid + 256 * j;
-    if (p >= pieces) break;
-    const uint4 wv = wr[p];
-    const uint32_t* a = reinterpret_cast<const uint32_t*>(&v[j]);
-    const uint32_t* c = reinterpret_cast<const uint32_t*>(&wv);
-    uint4 out;
-    uint32_t* d = reinterpret_cast<uint32_t*>(&out);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      __nv_bfloat162 r2 = __floats2bfloat162_rn(bf_lo(a[e]) * inv * bf_lo(c[e]),
-                                                bf_hi(a[e]) * inv * bf_hi(c[e]));
-      d[e] = *reinterpret_cast<uint32_t*>(&r2);
-    }
-    nr[p] = out;
-  }
-"""
-
 # gate_up [R, 2I] -> silu(gate) * up [R, I]; gate columns then up columns, or with PAIRED
 # alternating 8-column tiles of each (paired_rows)
 _SWIGLU_SOURCE = r"""
@@ -579,11 +510,10 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     every template instantiation of q4_matmul always asks for the same size)."""
     sources = {
         "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE, _Q4_HEADER),
-        "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params",
-                            ], ["out"], _ATTENTION_SOURCE, ""),
-        "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool",
-                       ], ["q"], _ROPE_SOURCE, ""),
-        "add_rms": (["x", "y", "w", "params"], ["h", "n"], _NORM_SOURCE, ""),
+        "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
+                            ["out"], _ATTENTION_SOURCE, ""),
+        "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool"],
+                       ["q"], _ROPE_SOURCE, ""),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE, ""),
     }
     inputs, outputs, body, header = sources[name]
@@ -695,7 +625,7 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     mt, nt, stages = mt or rule[0], nt or rule[1], stages or rule[2]
     # the swiglu epilogue costs a block of 2 row tiles registers enough to halve its occupancy
     # (nvcc 13, sm_90a: 128 -> 130): single-row-tile launches only
-    fused = gate_up and mt == 1 and FUSED_GLUE
+    fused = gate_up and mt == 1
     assert not fused or nt % 2 == 0, "a block holds whole (gate, up) tile pairs"
     (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages))(
         inputs=[x.astype(mx.bfloat16), wp, sp],
@@ -724,9 +654,9 @@ def attention_supported(dtype: mx.Dtype, head_dim: int) -> bool:
 
 
 @cache
-def _scalar(value: float) -> mx.array:
-    """A kernel's params input, made once per value."""
-    return mx.array([value], dtype=mx.float32)
+def _attention_params(scale: float) -> mx.array:
+    """The kernel's params input (scale in log2 units), made once per scale."""
+    return mx.array([scale * 1.4426950408889634], dtype=mx.float32)
 
 
 def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.array,
@@ -739,9 +669,8 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     hkv = tables.shape[2]
     (out,) = _kernel("paged_attention")(
         inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
-                _scalar(scale * 1.4426950408889634)],  # scale in log2 units
-        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
-                  ],
+                _attention_params(scale)],
+        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0)],
         grid=(r * hkv * 128, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(r, hq * d)],
@@ -789,26 +718,6 @@ def rope_write(qkv: mx.array, cos: mx.array, sin: mx.array, positions: mx.array,
         output_dtypes=[qkv.dtype],
     )
     return q
-
-
-def add_rms(x: mx.array, y: mx.array | None, weight: mx.array, eps: float
-            ) -> tuple[mx.array, mx.array]:
-    """The residual add and the RMS norm after it in one launch: (h, rms_norm(h) * weight)
-    with h = x + y (x itself, copied, when y is None); x, y [R, H] bf16 (norm_supported)."""
-    r, hidden = x.shape
-    h, n = _kernel("add_rms")(
-        inputs=[x, x if y is None else y, weight, _scalar(eps)],
-        template=[("T", x.dtype), ("ADD", y is not None)],
-        grid=(r * _NORM_THREADS, 1, 1),
-        threadgroup=(_NORM_THREADS, 1, 1),
-        output_shapes=[(r, hidden), (r, hidden)],
-        output_dtypes=[x.dtype, x.dtype],
-    )
-    return h, n
-
-
-def norm_supported(dtype: mx.Dtype, hidden: int) -> bool:
-    return dtype == mx.bfloat16 and hidden % 8 == 0 and hidden <= 8 * 4 * _NORM_THREADS
 
 
 def swiglu(gate_up: mx.array, paired: bool = False) -> mx.array:

@@ -94,10 +94,6 @@ class MLP:
 
 
 class Block:
-    # the CUDA path runs each residual add and the RMS norm after it as one kernel
-    # (forward_cuda); a family whose block differs opts out
-    fused_norms = True
-
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, dtype: mx.Dtype,
                  quant: bool) -> None:
         p = f"model.layers.{i}"
@@ -111,15 +107,6 @@ class Block:
                  sin: mx.array, rope: Rope | None = None) -> mx.array:
         h = x + self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin, rope)
         return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
-
-    def forward_cuda(self, h: mx.array, n: mx.array, batch: Batch, layer: int, cos: mx.array,
-                     sin: mx.array, rope: Rope, next_norm: mx.array
-                     ) -> tuple[mx.array, mx.array]:
-        """h: the residual stream, n = rms_norm(h, in_norm) -> the same pair for the next
-        layer (normed by next_norm, the next layer's input norm or the final one)."""
-        h, n = cuda.add_rms(h, self.attn(n, batch, layer, cos, sin, rope), self.post_norm,
-                            self.eps)
-        return cuda.add_rms(h, self.mlp(n), next_norm, self.eps)
 
 
 class Model:
@@ -156,30 +143,10 @@ class Model:
         max_pos = max(s.start + s.length for s in batch.segments)
         cos, sin = self.rope.tables(batch.positions, max_pos)
         x = self.embed_tokens(batch.pad_tokens(tokens))
-        normed = self.fused_norms(batch)
-        if normed:
-            x = self._layers_cuda(x, batch, cos, sin)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, batch, i, cos, sin, self.rope)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, i, cos, sin, self.rope)
         if not logit_rows:
             return None
-        x = pad_rows(x[mx.array(logit_rows, dtype=mx.int32)])
-        if not normed:
-            x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        x = x[mx.array(logit_rows, dtype=mx.int32)]
+        x = rms_norm(pad_rows(x), self.norm, self.config.rms_norm_eps)
         return self.lm_head(x)[: len(logit_rows)].astype(mx.float32)
-
-    def fused_norms(self, batch: Batch) -> bool:
-        return (batch.cuda is not None and self.block_class.fused_norms and cuda.FUSED_GLUE
-                and cuda.norm_supported(self.dtype, self.config.hidden_size))
-
-    def _layers_cuda(self, x: mx.array, batch: Batch, cos: mx.array, sin: mx.array
-                     ) -> mx.array:
-        """All layers through Block.forward_cuda (each residual add and the norm after it
-        one kernel: two launches a layer, not four); returns the final-normed rows."""
-        layers = self.layers
-        h, n = cuda.add_rms(x, None, layers[0].in_norm, self.config.rms_norm_eps)
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].in_norm if i + 1 < len(layers) else self.norm
-            h, n = layer.forward_cuda(h, n, batch, i, cos, sin, self.rope, next_norm)
-        return n

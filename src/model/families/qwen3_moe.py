@@ -163,8 +163,6 @@ def is_sparse(cfg: ModelConfig, layer: int) -> bool:
 
 
 class Block(qwen3.Block):
-    fused_norms = False  # its MLP takes the row count (see __call__)
-
     def make_mlp(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, p: str,
                  dtype: mx.Dtype, quant: bool) -> Any:
         if is_sparse(cfg, i):
