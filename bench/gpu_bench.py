@@ -593,17 +593,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "sweep_not_compiled")
             runner_obj.compiled = compiled
             report["compiled_traces"] = compiled.traced
-        # attention's key splits off and back on, side by side (cuda.ATTENTION_SPLITS);
-        # compiled traces hold the launches they were traced with, so they are dropped
-        if args.splits_streams:
-            default_splits = cuda.ATTENTION_SPLITS
-            for splits in (1, default_splits):
-                cuda.ATTENTION_SPLITS = splits
-                if runner_obj.compiled is not None:
-                    engine.mlx.call(runner_obj.compiled.clear)
-                report[f"sweep_attention_splits_{splits}"] = await sweep(
-                    engine, model, [int(x) for x in args.splits_streams.split(",")], args,
-                    f"sweep_attention_splits_{splits}")
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []
@@ -631,9 +620,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
-    p.add_argument("--splits-streams", default="1,8,64",
-                   help="stream counts to sweep with attention's key splits off, then on "
-                        "again, side by side ('' skips it)")
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")

@@ -3,8 +3,6 @@ their batch invariance, on the GPU (skipped where MLX has no CUDA GPU, e.g. CI).
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -56,19 +54,9 @@ def test_q4_matmul_rows_do_not_depend_on_row_count() -> None:
             assert mx.array_equal(one, full[m - 1]).item(), m
 
 
-@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"splits{n}")
-def splits(request: pytest.FixtureRequest) -> Any:
-    """Run a test under each cuda.ATTENTION_SPLITS (1: one thread block per row and head)."""
-    default = cuda.ATTENTION_SPLITS
-    cuda.ATTENTION_SPLITS = request.param
-    yield request.param
-    cuda.ATTENTION_SPLITS = default
-
-
 @pytest.mark.parametrize(("group", "head_dim", "window"),
                          [(4, 128, None), (2, 64, None), (3, 64, 100)])
-def test_paged_attention_matches_reference(group: int, head_dim: int, window: int | None,
-                                           splits: int) -> None:
+def test_paged_attention_matches_reference(group: int, head_dim: int, window: int | None) -> None:
     hkv, cap = 2, 3 * BLOCK
     ks = [mx.random.normal((hkv, cap, head_dim), key=mx.random.key(i)) for i in range(3)]
     vs = [mx.random.normal((hkv, cap, head_dim), key=mx.random.key(9 + i)) for i in range(3)]
@@ -89,7 +77,7 @@ def test_paged_attention_matches_reference(group: int, head_dim: int, window: in
             assert err < 3e-2, (p, err)
 
 
-def test_paged_attention_probe(splits: int) -> None:
+def test_paged_attention_probe() -> None:
     assert cuda.attention_invariant(4, 2, 128)
     assert cuda.attention_invariant(2, 2, 64)
 

@@ -10,17 +10,14 @@ is ~15 small kernels per layer. These replace both on the GPU:
   Row tiles of 16, K split over a fixed number of warps chosen from K alone, partials
   summed in warp order: every output element is computed the same way whatever the
   row count, so one row alone and the same row in a batch of 128 give the same bits.
-* `paged_attention`: thread blocks per (row, kv head) attend its GQA group of query
-  heads over the row's own slot, reading K/V blocks in place through the slot's block
-  table (the pool layout of slotserve.model.kv), online softmax in key blocks of 128 at
-  fixed absolute positions. A row's key blocks are cut into up to ATTENTION_SPLITS runs,
-  one thread block each, combined in a fixed order; how many depends only on the row's
-  position. Decode rows and prefill rows are the same work, so a position's output never
-  depends on how it was batched.
+* `paged_attention`: one thread block per (row, kv head) attends its GQA group of
+  query heads over the row's own slot, reading K/V blocks in place through the
+  slot's block table (the pool layout of slotserve.model.kv), online softmax in
+  key blocks of 128 at fixed absolute positions. Decode rows and prefill rows are
+  the same work, so a position's output never depends on how it was batched.
 * `rope_write` and `swiglu`: the elementwise glue around them in one launch each, so
   a layer's graph stays short (graph building and launching are host time on every
-  step); `rope_write` also puts K/V straight into the pool (no scatter ops). The 4-bit
-  matmul can also end in the swiglu itself (`gate_up=True`, gate and up rows paired).
+  step); `rope_write` also puts K/V straight into the pool (no scatter ops).
 
 The tests compare each against a plain MLX reference and check invariance on the
 GPU (tests/test_cuda_kernels.py, marked gpu).
@@ -37,10 +34,6 @@ import numpy as np
 
 GROUP = 64  # quantization group size the matmul kernel handles
 BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
-# paged_attention cuts a row's keys into up to this many runs of whole key blocks, each its
-# own thread block (a few rows alone would keep only Hkv blocks busy); read at each call
-# (SLOTSERVE_ATTENTION_SPLITS; 1 = one thread block per row and kv head)
-ATTENTION_SPLITS = int(os.environ.get("SLOTSERVE_ATTENTION_SPLITS", "4"))
 
 # helpers every kernel may use
 _COMMON = r"""
@@ -292,18 +285,13 @@ _Q4_SOURCE = r"""
   }
 """
 
-# One block (128 threads) per (row, kv head, split); q [R, Hq*D], pools [blocks*128, D],
-# tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e]. A row's key
-# blocks are cut into min(SPLITS, blocks) contiguous runs, one per block (split), a function
-# of the row's own position only; with more than one, each writes its softmax partial to
-# scratch [R, Hkv, SPLITS, G, D + 2] and the last to finish (counters [>= R * Hkv], zero
-# between launches) combines them in split order.
+# One block (128 threads) per (row, kv head); q [R, Hq*D], pools [blocks*128, D],
+# tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e].
 _ATTENTION_SOURCE = r"""
   const int HKV = tables_shape[2];
   const int nbmax = tables_shape[1];
   const int HQ = HKV * G;
-  const int r = blockIdx.x / (HKV * SPLITS), h = blockIdx.x / SPLITS % HKV;
-  const int split = blockIdx.x % SPLITS;
+  const int r = blockIdx.x / HKV, h = blockIdx.x % HKV;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   __shared__ float qs[G][D];
   __shared__ float ps[G][128];
@@ -313,24 +301,19 @@ _ATTENTION_SOURCE = r"""
   const size_t base = ((size_t)r * HQ + (size_t)h * G) * D;
   const int tb = row_table[r];
   if (tb < 0) {
-    if (split == 0)
-      for (int i = tid; i < G * D; i += 128) out[base + i] = __float2bfloat16(0.0f);
+    for (int i = tid; i < G * D; i += 128) out[base + i] = __float2bfloat16(0.0f);
     return;
   }
-  const int pos = row_pos[r];
-  const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
-  const int nblk = pos / 128 - lo / 128 + 1;
-  const int nsplit = min(SPLITS, nblk);
-  if (split >= nsplit) return;
   const float scale = params[0];
   for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = static_cast<float>(q[base + i]);
   __syncthreads();
+  const int pos = row_pos[r];
+  const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
   float run_max[G], run_sum[G], acc[G];
 #pragma unroll
   for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   const int* table = tables + (size_t)tb * nbmax * HKV;
-  const int jb_end = lo / 128 + (split + 1) * nblk / nsplit;
-  for (int jb = lo / 128 + split * nblk / nsplit; jb < jb_end; ++jb) {
+  for (int jb = lo / 128; jb <= pos / 128; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
     const bool valid = key >= lo && key <= pos;
@@ -446,51 +429,10 @@ _ATTENTION_SOURCE = r"""
     }
     __syncthreads();
   }
-  if (nsplit == 1) {
-    if (tid < D) {
+  if (tid < D) {
 #pragma unroll
-      for (int gg = 0; gg < G; ++gg)
-        out[base + (size_t)gg * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
-    }
-    return;
-  }
-  // this split's partial: per query head the unnormalized output (D), running max and sum
-  float* const splits = scratch + ((size_t)r * HKV + h) * SPLITS * G * (D + 2);
-  float* const mine = splits + (size_t)split * G * (D + 2);
-#pragma unroll
-  for (int gg = 0; gg < G; ++gg) {
-    if (tid < D) mine[gg * (D + 2) + tid] = acc[gg];
-    if (tid == 0) {
-      mine[gg * (D + 2) + D] = run_max[gg];
-      mine[gg * (D + 2) + D + 1] = run_sum[gg];
-    }
-  }
-  __threadfence();
-  __syncthreads();
-  __shared__ int last;
-  if (tid == 0) {
-    int* count = const_cast<int*>(counters) + (size_t)r * HKV + h;
-    last = atomicAdd(count, 1) == nsplit - 1;
-    if (last) *count = 0;  // zero again for the next launch
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (tid < D) {  // the last split combines all of them, in split order
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      float m = neg_inf();
-      for (int sp = 0; sp < nsplit; ++sp)
-        m = fmaxf(m, __ldcg(splits + ((size_t)sp * G + gg) * (D + 2) + D));
-      float l = 0.0f, o = 0.0f;
-      for (int sp = 0; sp < nsplit; ++sp) {
-        const float* p = splits + ((size_t)sp * G + gg) * (D + 2);
-        const float w = exp2f(__ldcg(p + D) - m);
-        l = __fmaf_rn(__ldcg(p + D + 1), w, l);
-        o = __fmaf_rn(__ldcg(p + tid), w, o);
-      }
-      out[base + (size_t)gg * D + tid] = __float2bfloat16(o / l);
-    }
+    for (int gg = 0; gg < G; ++gg)
+      out[base + (size_t)gg * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
   }
 """
 
@@ -568,8 +510,8 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     every template instantiation of q4_matmul always asks for the same size)."""
     sources = {
         "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE, _Q4_HEADER),
-        "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params",
-                             "counters"], ["out", "scratch"], _ATTENTION_SOURCE, ""),
+        "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
+                            ["out"], _ATTENTION_SOURCE, ""),
         "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool"],
                        ["q"], _ROPE_SOURCE, ""),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE, ""),
@@ -725,30 +667,16 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     r, d = q.shape[0], kpool.shape[-1]
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
-    splits = ATTENTION_SPLITS
-    scratch = r * hq * (d + 2) * splits if splits > 1 else 1  # floats of the split partials
-    out, _ = _kernel("paged_attention")(
+    (out,) = _kernel("paged_attention")(
         inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
-                _attention_params(scale), _split_counters(r * hkv)],
-        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
-                  ("SPLITS", splits)],
-        grid=(r * hkv * splits * 128, 1, 1),
+                _attention_params(scale)],
+        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0)],
+        grid=(r * hkv * 128, 1, 1),
         threadgroup=(128, 1, 1),
-        output_shapes=[(r, hq * d), (scratch,)],
-        output_dtypes=[mx.bfloat16, mx.float32],
+        output_shapes=[(r, hq * d)],
+        output_dtypes=[mx.bfloat16],
     )
     return out.reshape(q.shape)
-
-
-_counters: list[mx.array] = []
-
-
-def _split_counters(n: int) -> mx.array:
-    """The split attention's per-(row, kv head) counters: at least n int32 zeros, kept from
-    launch to launch (each launch leaves them zero)."""
-    if not _counters or _counters[0].size < n:
-        _counters[:] = [mx.zeros((max(n, 1 << 16),), mx.int32)]
-    return _counters[0]
 
 
 def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
