@@ -134,4 +134,3 @@ def test_q4_matmul_gate_up_gives_swiglu_bits() -> None:
         assert mx.array_equal(got, want).item(), m
         assert mx.array_equal(cuda.swiglu(cuda.q4_matmul(x[:m], *paired), paired=True),
                               want).item(), m
-

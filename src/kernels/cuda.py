@@ -250,35 +250,32 @@ _Q4_SOURCE = r"""
 #pragma unroll
       for (int c = 0; c < 4; ++c) red[warp][nt * 4 + c][lane] = acc[mt][nt][c];
     __syncthreads();
+    auto reduced = [&](int idx, int ln) {  // the K-split partials of one element, in warp order
+      float v = red[0][idx][ln];
+#pragma unroll
+      for (int k = 1; k < KSPLIT; ++k) v += red[k][idx][ln];
+      return v;
+    };
+    // element c of a fragment's lane ln: row offset g or g + 8, column 2t or 2t + 1
+    auto frag_row = [&](int c, int ln) { return m_base + mt * 16 + (ln >> 2) + (c >= 2 ? 8 : 0); };
+    auto frag_col = [&](int c, int ln) { return 2 * (ln & 3) + (c & 1); };
     if (SWIGLU) {  // column tiles come in (gate, up) pairs: y [M, N/2] = silu(gate) * up
       for (int e = threadIdx.x; e < NT * 2 * 32; e += 32 * KSPLIT) {
         const int idx = e >> 5, ln = e & 31;
         const int pr = idx >> 2, c = idx & 3;
-        const int ig = 8 * pr + c, iu = ig + 4;
-        float gt = red[0][ig][ln], up = red[0][iu][ln];
-#pragma unroll
-        for (int k = 1; k < KSPLIT; ++k) {
-          gt += red[k][ig][ln];
-          up += red[k][iu][ln];
-        }
-        const int row = m_base + mt * 16 + (ln >> 2) + (c >= 2 ? 8 : 0);
-        const int col = (tile0 / 2 + pr) * 8 + 2 * (ln & 3) + (c & 1);
         // rounded to bf16 first, as the product of a plain gate_up matmul and swiglu
-        gt = __bfloat162float(__float2bfloat16(gt));
-        up = __bfloat162float(__float2bfloat16(up));
+        const float gt = __bfloat162float(__float2bfloat16(reduced(8 * pr + c, ln)));
+        const float up = __bfloat162float(__float2bfloat16(reduced(8 * pr + 4 + c, ln)));
         const float out = gt / (1.0f + expf(-gt)) * up;
+        const int row = frag_row(c, ln), col = (tile0 / 2 + pr) * 8 + frag_col(c, ln);
         if (row < M) y[(size_t)row * (N / 2) + col] = __float2bfloat16(out);
       }
     } else {
       for (int e = threadIdx.x; e < NT * 4 * 32; e += 32 * KSPLIT) {
         const int idx = e >> 5, ln = e & 31;
-        float v = red[0][idx][ln];
-#pragma unroll
-        for (int k = 1; k < KSPLIT; ++k) v += red[k][idx][ln];
         const int nt = idx >> 2, c = idx & 3;
-        const int row = m_base + mt * 16 + (ln >> 2) + (c >= 2 ? 8 : 0);
-        const int col = (tile0 + nt) * 8 + 2 * (ln & 3) + (c & 1);
-        if (row < M) y[(size_t)row * N + col] = __float2bfloat16(v);
+        const int row = frag_row(c, ln), col = (tile0 + nt) * 8 + frag_col(c, ln);
+        if (row < M) y[(size_t)row * N + col] = __float2bfloat16(reduced(idx, ln));
       }
     }
     __syncthreads();
