@@ -44,6 +44,8 @@ def test_parse_body_rejects(raw: bytes, needle: str) -> None:
     ({}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": [], "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]"),

@@ -271,7 +271,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise bad_request(f"'{where}' must be an object, got {_kind(m)}", where)
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or object is no role either
         raise bad_request(f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}",
                           f"{where}.role")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role}
