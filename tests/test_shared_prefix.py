@@ -50,6 +50,13 @@ def test_a_new_chat_shares_the_system_prompts_pages(two_slots: EngineHarness) ->
     first = _complete(two_slots, _chat("Rename the helper in utils.py."))
     other = _complete(two_slots, _chat("Why does the build fail on Windows?"))
     assert other.usage.reused_tokens >= 2 * BLOCK and other.usage.reused_tokens % BLOCK == 0
+    # both conversations are retained; the pages they share count once against the budget
+    admission = engine.admission
+    assert admission is not None
+    kvs = [s.kv for s in admission.slots] + [p.kv for p in admission.parked]
+    distinct = {page for kv in kvs for page in kv.pages}
+    assert admission.retained_bytes() == len(distinct) * kvs[0].pool.page_bytes
+    assert admission.retained_bytes() < sum(kv.nbytes for kv in kvs)
     # the first conversation kept all of its KV: its next turn reuses it whole
     history = [{"role": "user", "content": "Rename the helper in utils.py."},
                {"role": "assistant", "content": first.text}]

@@ -16,7 +16,8 @@ slots) and they count against the KV budget; parked KV is evicted first, least
 recently used first, when bytes are needed.
 
 A new chat that opens with tokens another conversation holds (an agent's system prompt)
-starts from that conversation's full KV pages, shared, not copied (`_share_prefix`).
+starts from that conversation's full KV pages, shared, not copied (`_share_prefix`);
+retained KV counts each page once, however many conversations share it (`retained_bytes`).
 """
 
 from __future__ import annotations
@@ -109,8 +110,16 @@ class Admission:
         return sum(self.charged.values())
 
     def retained_bytes(self, exclude: Slot | None = None) -> int:
-        held = sum(s.kv.nbytes for s in self.slots if not s.busy and s is not exclude)
-        return held + sum(p.kv.nbytes for p in self.parked)
+        """Bytes of the pages only retained KV holds (idle slots but `exclude`, which is being
+        placed, and parked conversations): what evicting all of it would free. A page that
+        several conversations share (a common system prompt) counts once; one that a busy
+        slot (or `exclude`) also holds lies inside that slot's charge."""
+        if not self.slots:
+            return 0
+        charged = {p for s in self.slots if s.busy or s is exclude for p in s.kv.pages}
+        held = {p for s in self.slots if not (s.busy or s is exclude) for p in s.kv.pages}
+        held.update(p for c in self.parked for p in c.kv.pages)
+        return len(held - charged) * self.slots[0].kv.pool.page_bytes
 
     @property
     def used_bytes(self) -> int:
