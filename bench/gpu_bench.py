@@ -593,6 +593,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "sweep_not_compiled")
             runner_obj.compiled = compiled
             report["compiled_traces"] = compiled.traced
+        # the residual add in the matmul's epilogue off, then on again, side by side (the
+        # same bits); compiled traces hold the launches they were traced with: dropped
+        if args.residual_streams:
+            for fused in (False, True):
+                cuda.RESIDUAL_EPILOGUE = fused
+                if runner_obj.compiled is not None:
+                    engine.mlx.call(runner_obj.compiled.clear)
+                report[f"sweep_residual_epilogue_{fused}"] = await sweep(
+                    engine, model, [int(x) for x in args.residual_streams.split(",")], args,
+                    f"sweep_residual_epilogue_{fused}")
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []
@@ -620,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
+    p.add_argument("--residual-streams", default="1,8,64",
+                   help="stream counts to sweep with the residual add in its own launch, then "
+                        "in the matmul's epilogue again, side by side ('' skips it)")
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")

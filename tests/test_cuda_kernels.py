@@ -134,3 +134,13 @@ def test_q4_matmul_gate_up_gives_swiglu_bits() -> None:
         assert mx.array_equal(got, want).item(), m
         assert mx.array_equal(cuda.swiglu(cuda.q4_matmul(x[:m], *paired), paired=True),
                               want).item(), m
+
+
+def test_q4_matmul_residual_gives_the_adds_bits() -> None:
+    packed, _ = _q4(512, 1024, 9)
+    x = mx.random.normal((130, 1024), key=mx.random.key(10)).astype(mx.bfloat16)
+    res = mx.random.normal((130, 512), key=mx.random.key(11)).astype(mx.bfloat16)
+    for m in (1, 5, 16, 17, 33, 64, 130):  # every launch shape's epilogue
+        want = cuda.q4_matmul(x[:m], *packed) + res[:m]
+        got = cuda.q4_matmul(x[:m], *packed, residual=res[:m])
+        assert mx.array_equal(got, want).item(), m

@@ -34,6 +34,9 @@ import numpy as np
 
 GROUP = 64  # quantization group size the matmul kernel handles
 BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
+# the residual add in the 4-bit matmul's epilogue (q4_matmul(residual=...)); read at each
+# call, so a benchmark can compare (the same bits either way)
+RESIDUAL_EPILOGUE = True
 
 # helpers every kernel may use
 _COMMON = r"""
@@ -275,7 +278,11 @@ _Q4_SOURCE = r"""
         const int idx = e >> 5, ln = e & 31;
         const int nt = idx >> 2, c = idx & 3;
         const int row = frag_row(c, ln), col = (tile0 + nt) * 8 + frag_col(c, ln);
-        if (row < M) y[(size_t)row * N + col] = __float2bfloat16(reduced(idx, ln));
+        if (row >= M) continue;
+        const size_t at = (size_t)row * N + col;
+        const __nv_bfloat16 v = __float2bfloat16(reduced(idx, ln));
+        // the residual added to the rounded product, as a plain matmul and an add round it
+        y[at] = RESID ? __float2bfloat16(__bfloat162float(v) + __bfloat162float(res[at])) : v;
       }
     }
     __syncthreads();
@@ -506,7 +513,7 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     """The kernel object; one per dynamic shared-memory size (MLX fixes it per object, and
     every template instantiation of q4_matmul always asks for the same size)."""
     sources = {
-        "q4_matmul": (["x", "wp", "sp"], ["y"], _Q4_SOURCE, _Q4_HEADER),
+        "q4_matmul": (["x", "wp", "sp", "res"], ["y"], _Q4_SOURCE, _Q4_HEADER),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
                             ["out"], _ATTENTION_SOURCE, ""),
         "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool"],
@@ -603,13 +610,15 @@ def _launch(m: int, n: int) -> tuple[int, int, int]:
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
-              nt: int | None = None, ksplit: int | None = None, stages: int | None = None,
+              residual: mx.array | None = None, nt: int | None = None,
+              ksplit: int | None = None, stages: int | None = None,
               mt: int | None = None) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
     gate_up: the weights are a [gate; up] pair in paired_rows order; the result is
     silu(gate) * up [M, N/2], the same bits as swiglu() of the plain product (in one launch
-    where the launch has one row tile).
+    where the launch has one row tile). residual [M, N] bf16: the result is product +
+    residual, the same bits as the two ops, in one launch.
     mt (row tiles per block), nt (column tiles per block) and stages (ring depth) change
     only the speed, never the bits; ksplit changes the summation order
     and is for the micro-benchmark only (the engine keeps the one derived from K, which is
@@ -620,20 +629,25 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     ksplit = ksplit or _k_split(k // 128)
     rule = _launch(m, n)
     mt, nt, stages = mt or rule[0], nt or rule[1], stages or rule[2]
-    # the swiglu epilogue costs a block of 2 row tiles registers enough to halve its occupancy
-    # (nvcc 13, sm_90a: 128 -> 130): single-row-tile launches only
+    # the swiglu epilogue costs a block of 2 row tiles registers enough to halve its
+    # occupancy (nvcc 13, sm_90a: 128 -> 130): single-row-tile launches only; the residual
+    # epilogue costs none (128)
     fused = gate_up and mt == 1
+    add = residual is not None and RESIDUAL_EPILOGUE
     assert not fused or nt % 2 == 0, "a block holds whole (gate, up) tile pairs"
+    x = x.astype(mx.bfloat16)
     (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages))(
-        inputs=[x.astype(mx.bfloat16), wp, sp],
+        inputs=[x, wp, sp, residual if add else x],
         template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("STAGES", stages),
-                  ("SWIGLU", fused)],
+                  ("SWIGLU", fused), ("RESID", add)],
         grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n // 2 if fused else n)],
         output_dtypes=[mx.bfloat16],
     )
-    return swiglu(y, paired=True) if gate_up and not fused else y
+    if gate_up and not fused:
+        y = swiglu(y, paired=True)
+    return y + residual if residual is not None and not add else y
 
 
 def paired_rows(inter: int) -> mx.array:

@@ -246,19 +246,22 @@ class Linear:
             dense = [d.astype(compute_dtype) for d in dense]
         return Linear(mx.concatenate(dense), compute_dtype, False, pack)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        if self.kernel is not None:
-            return self.kernel(x)
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """x W^T, plus `residual` when given (in the CUDA kernel's launch where it can)."""
         if self.q4 is not None:
-            return cuda.q4_matmul(x, *self.q4)
-        if self.q is not None:
+            return cuda.q4_matmul(x, *self.q4, residual=residual)
+        if self.kernel is not None:
+            y = self.kernel(x)
+        elif self.q is not None:
             q = self.q
-            return mx.quantized_matmul(
+            y = mx.quantized_matmul(
                 x, q.weight, q.scales, q.biases, transpose=True, group_size=q.group_size,
                 bits=q.bits,
             )
-        assert self.w is not None
-        return x @ self.w.T
+        else:
+            assert self.w is not None
+            y = x @ self.w.T
+        return y if residual is None else y + residual
 
 
 _EXACT = (mx.float32, mx.float16, mx.bfloat16)

@@ -37,7 +37,10 @@ class Attention:
         return q, k, v
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array, rope: Rope | None = None) -> mx.array:
+                 sin: mx.array, rope: Rope | None = None,
+                 residual: mx.array | None = None) -> mx.array:
+        """The attention output, plus `residual` when given (the block's residual stream:
+        the CUDA path adds it in the output projection's launch)."""
         lib = native.library()
         if (self.native_block and batch.native is not None and rope is not None
                 and lib is not None and self.qkv.kernel is not None
@@ -48,7 +51,8 @@ class Attention:
                 lib, self.qkv.kernel, x, self.heads, self.kv_heads, self.head_dim,
                 rope.host_tables(), pool.keys[layer], pool.values[layer], batch.native,
                 self.scale)
-            return mx.array(self.o.kernel.host(out))
+            y = mx.array(self.o.kernel.host(out))
+            return y if residual is None else y + residual
         if self.native_block and batch.cuda is not None and rope is not None:
             pool = batch.pool
             assert pool is not None and batch.write_rows is not None
@@ -57,11 +61,11 @@ class Attention:
                                 self.heads, self.kv_heads, self.head_dim)
             batch.effects.append(q)  # its K/V writes must run even if no logits are asked
             return self.o(cuda.paged_attention(q, pool.keys[layer], pool.values[layer],
-                                               *batch.cuda, self.scale))
+                                               *batch.cuda, self.scale), residual)
         q, k, v = self.split_heads(x)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
-        return self.o(out.reshape(out.shape[0], -1))
+        return self.o(out.reshape(out.shape[0], -1), residual)
 
 
 class MLP:
@@ -79,18 +83,20 @@ class MLP:
         self.down = Linear(w[f"{p}.down_proj.weight"], dtype, quant)
         self.cuda = cuda.enabled()  # the model is built on the device it will run on
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The MLP's output, plus `residual` when given (added in the down projection)."""
         lib = native.library()
         if lib is not None and self.gate_up.kernel is not None and self.down.kernel is not None:
-            return cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x)
+            y = cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x)
+            return y if residual is None else y + residual
         if self.paired:
             assert self.gate_up.q4 is not None
-            return self.down(cuda.q4_matmul(x, *self.gate_up.q4, gate_up=True))
+            return self.down(cuda.q4_matmul(x, *self.gate_up.q4, gate_up=True), residual)
         gu = self.gate_up(x)
         if self.cuda:
-            return self.down(cuda.swiglu(gu))
+            return self.down(cuda.swiglu(gu), residual)
         g, u = gu[:, : self.inter], gu[:, self.inter :]
-        return self.down(g * mx.sigmoid(g) * u)
+        return self.down(g * mx.sigmoid(g) * u, residual)
 
 
 class Block:
@@ -105,8 +111,9 @@ class Block:
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
                  sin: mx.array, rope: Rope | None = None) -> mx.array:
-        h = x + self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin, rope)
-        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+        h = self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin, rope,
+                      residual=x)
+        return self.mlp(rms_norm(h, self.post_norm, self.eps), residual=h)
 
 
 class Model:
