@@ -635,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
     p.add_argument("--residual-streams", default="1,8,64",
-                   help="stream counts to sweep with the residual add in its own launch, then "
-                        "in the matmul's epilogue again, side by side ('' skips it)")
+                   help="stream counts to sweep with the residual add in its own launch and "
+                        "in the matmul's epilogue, off/on/on/off ('' skips it)")
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")
