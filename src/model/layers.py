@@ -261,10 +261,15 @@ class Linear:
         else:
             assert self.w is not None
             y = x @ self.w.T
-        return y if residual is None else y + residual
+        return plus(y, residual)
 
 
 _EXACT = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def plus(y: mx.array, residual: mx.array | None) -> mx.array:
+    """y + residual, or y alone when there is none (a block's residual stream)."""
+    return y if residual is None else y + residual
 
 
 def _use_cpu_kernel(compute_dtype: mx.Dtype, keep_quantized: bool) -> bool:

@@ -7,7 +7,16 @@ import mlx.core as mx
 from slotserve.kernels import cpu_attention, cpu_gemm, cuda, native
 from slotserve.model.config import ModelConfig
 from slotserve.model.kv import KVPool, SlotKV
-from slotserve.model.layers import Batch, Embedding, Linear, Rope, attend, pad_rows, rms_norm
+from slotserve.model.layers import (
+    Batch,
+    Embedding,
+    Linear,
+    Rope,
+    attend,
+    pad_rows,
+    plus,
+    rms_norm,
+)
 from slotserve.model.weights import Tensor
 
 
@@ -51,8 +60,7 @@ class Attention:
                 lib, self.qkv.kernel, x, self.heads, self.kv_heads, self.head_dim,
                 rope.host_tables(), pool.keys[layer], pool.values[layer], batch.native,
                 self.scale)
-            y = mx.array(self.o.kernel.host(out))
-            return y if residual is None else y + residual
+            return plus(mx.array(self.o.kernel.host(out)), residual)
         if self.native_block and batch.cuda is not None and rope is not None:
             pool = batch.pool
             assert pool is not None and batch.write_rows is not None
@@ -87,8 +95,8 @@ class MLP:
         """The MLP's output, plus `residual` when given (added in the down projection)."""
         lib = native.library()
         if lib is not None and self.gate_up.kernel is not None and self.down.kernel is not None:
-            y = cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x)
-            return y if residual is None else y + residual
+            return plus(cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x),
+                        residual)
         if self.paired:
             assert self.gate_up.q4 is not None
             return self.down(cuda.q4_matmul(x, *self.gate_up.q4, gate_up=True), residual)
