@@ -37,9 +37,6 @@ BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
 # the residual add in the 4-bit matmul's epilogue (q4_matmul(residual=...)); read at each
 # call, so a benchmark can compare (the same bits either way)
 RESIDUAL_EPILOGUE = True
-# paged_attention's query heads over thread groups (_head_split), or all in one group of 128
-# threads: read at each call, so a benchmark can compare (the same bits either way)
-ATTENTION_HEAD_SPLIT = True
 
 # helpers every kernel may use
 _COMMON = r"""
@@ -292,19 +289,14 @@ _Q4_SOURCE = r"""
   }
 """
 
-# One block of 128 * GS threads per (row, kv head): thread group gq (128 threads) attends
-# query heads gq * GL .. gq * GL + GL - 1 of the kv head's GQA group (G = GS * GL). Each
-# head's arithmetic is the same whatever the split, so GS changes the speed, not the bits.
-# q [R, Hq*D], pools [blocks*128, D], tables [S, nbmax, Hkv], row_table / row_pos [R],
-# params [scale * log2 e].
+# One block (128 threads) per (row, kv head); q [R, Hq*D], pools [blocks*128, D],
+# tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e].
 _ATTENTION_SOURCE = r"""
   const int HKV = tables_shape[2];
   const int nbmax = tables_shape[1];
   const int HQ = HKV * G;
-  constexpr int GL = G / GS;
   const int r = blockIdx.x / HKV, h = blockIdx.x % HKV;
-  const int tid = threadIdx.x & 127, gq = threadIdx.x >> 7;
-  const int lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   __shared__ float qs[G][D];
   __shared__ float ps[G][128];
   __shared__ float part[G][4];
@@ -313,26 +305,25 @@ _ATTENTION_SOURCE = r"""
   const size_t base = ((size_t)r * HQ + (size_t)h * G) * D;
   const int tb = row_table[r];
   if (tb < 0) {
-    for (int i = threadIdx.x; i < G * D; i += 128 * GS) out[base + i] = __float2bfloat16(0.0f);
+    for (int i = tid; i < G * D; i += 128) out[base + i] = __float2bfloat16(0.0f);
     return;
   }
   const float scale = params[0];
-  for (int i = threadIdx.x; i < G * D; i += 128 * GS)
-    qs[i / D][i % D] = static_cast<float>(q[base + i]);
+  for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = static_cast<float>(q[base + i]);
   __syncthreads();
   const int pos = row_pos[r];
   const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
-  float run_max[GL], run_sum[GL], acc[GL];
+  float run_max[G], run_sum[G], acc[G];
 #pragma unroll
-  for (int gg = 0; gg < GL; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
+  for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   const int* table = tables + (size_t)tb * nbmax * HKV;
   for (int jb = lo / 128; jb <= pos / 128; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
     const bool valid = key >= lo && key <= pos;
-    float s[GL];
+    float s[G];
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) s[gg] = 0.0f;
+    for (int gg = 0; gg < G; ++gg) s[gg] = 0.0f;
     if (valid) {  // the key row in pieces of 8 loads issued together (latency, not order)
       const uint4* krow = reinterpret_cast<const uint4*>(kpool + (blk + tid) * D);
       constexpr int PIECE = D / 8 < 8 ? D / 8 : 8;
@@ -349,46 +340,44 @@ _ATTENTION_SOURCE = r"""
           for (int e = 0; e < 4; ++e) {
             const float k0 = bf_lo(kw[e]), k1 = bf_hi(kw[e]);
 #pragma unroll
-            for (int gg = 0; gg < GL; ++gg) {
-              s[gg] = __fmaf_rn(qs[gq * GL + gg][c * 8 + 2 * e], k0, s[gg]);
-              s[gg] = __fmaf_rn(qs[gq * GL + gg][c * 8 + 2 * e + 1], k1, s[gg]);
+            for (int gg = 0; gg < G; ++gg) {
+              s[gg] = __fmaf_rn(qs[gg][c * 8 + 2 * e], k0, s[gg]);
+              s[gg] = __fmaf_rn(qs[gg][c * 8 + 2 * e + 1], k1, s[gg]);
             }
           }
         }
       }
     }
     // block max and the new running max, per query head
-    float m_new[GL], alpha[GL];
+    float m_new[G], alpha[G];
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) {
+    for (int gg = 0; gg < G; ++gg) {
       s[gg] = valid ? s[gg] * scale : neg_inf();
       float m = s[gg];
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      if (lane == 0) part[gq * GL + gg][warp] = m;
+      if (lane == 0) part[gg][warp] = m;
     }
     __syncthreads();
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) {
-      const float* pt = part[gq * GL + gg];
-      const float m = fmaxf(fmaxf(pt[0], pt[1]), fmaxf(pt[2], pt[3]));
+    for (int gg = 0; gg < G; ++gg) {
+      const float m = fmaxf(fmaxf(part[gg][0], part[gg][1]), fmaxf(part[gg][2], part[gg][3]));
       m_new[gg] = fmaxf(run_max[gg], m);
       alpha[gg] = run_max[gg] == neg_inf() ? 0.0f : exp2f(run_max[gg] - m_new[gg]);
       const float p = valid ? exp2f(s[gg] - m_new[gg]) : 0.0f;
-      ps[gq * GL + gg][tid] = p;
+      ps[gg][tid] = p;
     }
     __syncthreads();
     // block sum of p (fixed tree), then the running sum
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) {
-      float p = ps[gq * GL + gg][tid];
+    for (int gg = 0; gg < G; ++gg) {
+      float p = ps[gg][tid];
       for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
-      if (lane == 0) part[gq * GL + gg][warp] = p;
+      if (lane == 0) part[gg][warp] = p;
     }
     __syncthreads();
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) {
-      const float* pt = part[gq * GL + gg];
-      const float bsum = (pt[0] + pt[1]) + (pt[2] + pt[3]);
+    for (int gg = 0; gg < G; ++gg) {
+      const float bsum = (part[gg][0] + part[gg][1]) + (part[gg][2] + part[gg][3]);
       run_sum[gg] = __fmaf_rn(run_sum[gg], alpha[gg], bsum);
       run_max[gg] = m_new[gg];
     }
@@ -399,9 +388,9 @@ _ATTENTION_SOURCE = r"""
       const int n = min(128, pos + 1 - jb * 128);
       const int j1 = min(n, warp * 32 + 32);
       const T* vb = vpool + blk * D;
-      float pv[GL][DPL];
+      float pv[G][DPL];
 #pragma unroll
-      for (int gg = 0; gg < GL; ++gg)
+      for (int gg = 0; gg < G; ++gg)
 #pragma unroll
         for (int i = 0; i < DPL; ++i) pv[gg][i] = 0.0f;
       int j = warp * 32;
@@ -416,10 +405,9 @@ _ATTENTION_SOURCE = r"""
 #pragma unroll
         for (int u = 0; u < 8; ++u)
 #pragma unroll
-          for (int gg = 0; gg < GL; ++gg)
+          for (int gg = 0; gg < G; ++gg)
 #pragma unroll
-            for (int i = 0; i < DPL; ++i)
-              pv[gg][i] = __fmaf_rn(ps[gq * GL + gg][j + u], v[u][i], pv[gg][i]);
+            for (int i = 0; i < DPL; ++i) pv[gg][i] = __fmaf_rn(ps[gg][j + u], v[u][i], pv[gg][i]);
       }
       for (; j < j1; ++j) {
 #pragma unroll
@@ -427,21 +415,19 @@ _ATTENTION_SOURCE = r"""
           const float v = lane + 32 * i < D
               ? static_cast<float>(vb[(size_t)j * D + lane + 32 * i]) : 0.0f;
 #pragma unroll
-          for (int gg = 0; gg < GL; ++gg)
-            pv[gg][i] = __fmaf_rn(ps[gq * GL + gg][j], v, pv[gg][i]);
+          for (int gg = 0; gg < G; ++gg) pv[gg][i] = __fmaf_rn(ps[gg][j], v, pv[gg][i]);
         }
       }
 #pragma unroll
-      for (int gg = 0; gg < GL; ++gg)
+      for (int gg = 0; gg < G; ++gg)
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) pvs[warp][gq * GL + gg][lane + 32 * i] = pv[gg][i];
+        for (int i = 0; i < DPL; ++i) pvs[warp][gg][lane + 32 * i] = pv[gg][i];
     }
     __syncthreads();
     if (tid < D) {
 #pragma unroll
-      for (int gg = 0; gg < GL; ++gg) {
-        const int hg = gq * GL + gg;
-        const float sum = ((pvs[0][hg][tid] + pvs[1][hg][tid]) + pvs[2][hg][tid]) + pvs[3][hg][tid];
+      for (int gg = 0; gg < G; ++gg) {
+        const float sum = ((pvs[0][gg][tid] + pvs[1][gg][tid]) + pvs[2][gg][tid]) + pvs[3][gg][tid];
         acc[gg] = __fmaf_rn(acc[gg], alpha[gg], sum);
       }
     }
@@ -449,8 +435,8 @@ _ATTENTION_SOURCE = r"""
   }
   if (tid < D) {
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg)
-      out[base + (size_t)(gq * GL + gg) * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
+    for (int gg = 0; gg < G; ++gg)
+      out[base + (size_t)gg * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
   }
 """
 
@@ -678,14 +664,6 @@ def attention_supported(dtype: mx.Dtype, head_dim: int) -> bool:
     return dtype == mx.bfloat16 and head_dim % 8 == 0 and head_dim <= 128
 
 
-def _head_split(group: int) -> int:
-    """Thread groups of 128 per attention block: one per query head of the GQA group where
-    a block can hold them (1,024 threads), else the largest divisor that fits. At one row a
-    step has only kv-heads blocks, so the heads' work spread over more warps is what keeps
-    each SM busy; each head is computed the same way in any split."""
-    return next(s for s in range(min(group, 8), 0, -1) if group % s == 0)
-
-
 @cache
 def _attention_params(scale: float) -> mx.array:
     """The kernel's params input (scale in log2 units), made once per scale."""
@@ -700,14 +678,12 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     r, d = q.shape[0], kpool.shape[-1]
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
-    g = hq // hkv
-    gs = _head_split(g) if ATTENTION_HEAD_SPLIT else 1
     (out,) = _kernel("paged_attention")(
         inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
                 _attention_params(scale)],
-        template=[("T", kpool.dtype), ("G", g), ("GS", gs), ("D", d), ("WINDOW", window or 0)],
-        grid=(r * hkv * 128 * gs, 1, 1),
-        threadgroup=(128 * gs, 1, 1),
+        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0)],
+        grid=(r * hkv * 128, 1, 1),
+        threadgroup=(128, 1, 1),
         output_shapes=[(r, hq * d)],
         output_dtypes=[mx.bfloat16],
     )
