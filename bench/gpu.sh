@@ -14,7 +14,7 @@
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
-#   attention_detail  the same for paged_attention inside a decode step (1 and 64 rows)
+#   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers)
 #   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention, both methods
 #   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
 #   peer   bench/peer_transformers.py: transformers generate_batch, bf16, same 8B shape
@@ -162,11 +162,11 @@ if want detail; then
 fi
 
 if want attention_detail; then
-  stage "attention_detail: ncu's detailed sections for paged_attention in a decode step, 1 and 64 rows"
+  stage "attention_detail: ncu's detailed sections for paged_attention in a 1-row decode step"
   if command -v ncu >/dev/null; then
     timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
-      --set detailed -k regex:slotserve_paged_attention -c 33 \
-      $PY bench/gpu_profile.py "$LLAMA" --rows 1,64 > "$OUT/attention_detail.txt" 2>&1
+      --set detailed -k regex:slotserve_paged_attention -c 2 \
+      $PY bench/gpu_profile.py "$LLAMA" --rows 1 > "$OUT/attention_detail.txt" 2>&1
     grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall" \
       "$OUT/attention_detail.txt" | cut -c1-220 | head -60
   fi

@@ -593,20 +593,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "sweep_not_compiled")
             runner_obj.compiled = compiled
             report["compiled_traces"] = compiled.traced
-        # the residual add in the matmul's epilogue off and on (the same bits), in the order
-        # off, on, on, off: late sweeps of a process run slower (runs Z, AE), and this order
-        # cancels a steady drift; compiled traces hold the launches they were traced with,
-        # so they are dropped at each switch
-        if args.residual_streams:
-            for i, fused in enumerate((False, True, True, False)):
-                cuda.RESIDUAL_EPILOGUE = fused
+        # a kernel switch (cuda.ROPE_EPILOGUE, cuda.RESIDUAL_EPILOGUE: the same bits either
+        # way) off and on, in the order off, on, on, off: late sweeps of a process run slower
+        # (runs Z, AE), and this order cancels a steady drift; compiled traces hold the
+        # launches they were traced with, so they are dropped at each switch
+        if args.ab_streams:
+            name = args.ab_switch
+            for i, on in enumerate((False, True, True, False)):
+                setattr(cuda, name, on)
                 if runner_obj.compiled is not None:
                     engine.mlx.call(runner_obj.compiled.clear)
-                label = f"sweep_residual_epilogue_{fused}_{i}"
+                label = f"sweep_{name.lower()}_{on}_{i}"
                 report[label] = await sweep(
-                    engine, model, [int(x) for x in args.residual_streams.split(",")], args,
-                    label)
-            cuda.RESIDUAL_EPILOGUE = True
+                    engine, model, [int(x) for x in args.ab_streams.split(",")], args, label)
+            setattr(cuda, name, True)
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []
@@ -634,9 +634,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
-    p.add_argument("--residual-streams", default="1,8,64",
-                   help="stream counts to sweep with the residual add in its own launch and "
-                        "in the matmul's epilogue, off/on/on/off ('' skips it)")
+    p.add_argument("--ab-switch", default="ROPE_EPILOGUE",
+                   choices=["ROPE_EPILOGUE", "RESIDUAL_EPILOGUE"],
+                   help="the slotserve.kernels.cuda switch to sweep off/on/on/off")
+    p.add_argument("--ab-streams", default="1,8,64",
+                   help="stream counts of that side-by-side ('' skips it)")
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")
