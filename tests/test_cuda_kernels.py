@@ -144,31 +144,3 @@ def test_q4_matmul_residual_gives_the_adds_bits() -> None:
         want = cuda.q4_matmul(x[:m], *packed) + res[:m]
         got = cuda.q4_matmul(x[:m], *packed, residual=res[:m])
         assert mx.array_equal(got, want).item(), m
-
-
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 2, 64), (8, 2, 128)])
-def test_q4_rope_gives_rope_writes_bits(heads: int, kv_heads: int, d: int) -> None:
-    n, k = (heads + 2 * kv_heads) * d, 1024
-    w = mx.random.normal((n, k), key=mx.random.key(12)) * k**-0.5
-    q, s, b = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
-    order = cuda.rope_rows(heads + 2 * kv_heads, d)
-    plain, paired = cuda.q4_pack(q, s, b), cuda.q4_pack(q[order], s[order], b[order])
-    rope = Rope(d, 10000.0, None, mx.bfloat16)
-    rope.reserve(4095)
-    x = mx.random.normal((130, k), key=mx.random.key(13)).astype(mx.bfloat16)
-    pos = mx.array(np.random.default_rng(1).integers(0, 4096, 130).astype(np.int32))
-    rows = np.random.default_rng(2).permutation(512)[: 130 * kv_heads].astype(np.int32)
-    for m in (1, 5, 16, 17, 33, 64, 130):  # every launch shape's epilogue
-        writes = mx.array(rows[: (m - 1 or 1) * kv_heads].reshape(-1, kv_heads))  # + padding
-        pools = [mx.zeros((512, d), mx.bfloat16) for _ in range(4)]
-        mx.eval(pools)
-        want = cuda.rope_write(cuda.q4_matmul(x[:m], *plain), rope.cos, rope.sin, pos[:m],
-                               writes, pools[0], pools[1], heads, kv_heads, d)
-        got = cuda.q4_rope(x[:m], *paired, rope.cos, rope.sin, pos[:m], writes, pools[2],
-                           pools[3], heads, kv_heads, d)
-        mx.eval(want, got)  # both write their pools in place
-        assert mx.array_equal(got, want).item(), m
-        assert mx.array_equal(pools[2], pools[0]).item(), m
-        assert mx.array_equal(pools[3], pools[1]).item(), m
-        assert mx.array_equal(cuda.q4_unroped(x[:m], *paired, kv_heads, d),
-                              cuda.q4_matmul(x[:m], *plain)).item(), m

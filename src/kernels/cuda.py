@@ -37,10 +37,6 @@ BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
 # the residual add in the 4-bit matmul's epilogue (q4_matmul(residual=...)); read at each
 # call, so a benchmark can compare (the same bits either way)
 RESIDUAL_EPILOGUE = True
-# RoPE and the K/V pool write in the QKV matmul's epilogue (q4_rope), or the plain product
-# (q4_unroped) and rope_write after it: read by llama's attention at each call, so a
-# benchmark can compare (the same bits either way)
-ROPE_EPILOGUE = True
 
 # helpers every kernel may use
 _COMMON = r"""
@@ -49,15 +45,6 @@ _COMMON = r"""
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
-
-// rotate-half RoPE of the pair (x1, x2) = (x[d], x[d + half]) with table entries c[0],
-// c[half], s[0], s[half] (explicit roundings: every kernel that rotates gives the same bits)
-template <typename C>
-__device__ __forceinline__ void rope_rotate(float x1, float x2, const C* c, const C* s,
-                                            int half, float& o1, float& o2) {
-  o1 = __fmaf_rn(x1, static_cast<float>(c[0]), -__fmul_rn(x2, static_cast<float>(s[0])));
-  o2 = __fmaf_rn(x2, static_cast<float>(c[half]), __fmul_rn(x1, static_cast<float>(s[half])));
-}
 """
 
 # the 4-bit matmul's helpers
@@ -168,7 +155,7 @@ __device__ __forceinline__ void group_mma(float* a, const uint32_t* A0, const ui
 #   sp [N/8, K/128, 4 (t), 4]: (scale, bias) bf16 pairs of columns 8*tile+2t+{0,1},
 #                              groups 2c, 2c+1
 # x [M, K] bf16 -> y [M, N] bf16; a block covers 8*NT columns and 16*MT rows.
-_Q4_MAIN = r"""
+_Q4_SOURCE = r"""
   const int M = x_shape[0];
   const int K = x_shape[1];
   const int N = wp_shape[0] * 8;
@@ -275,10 +262,6 @@ _Q4_MAIN = r"""
     // element c of a fragment's lane ln: row offset g or g + 8, column 2t or 2t + 1
     auto frag_row = [&](int c, int ln) { return m_base + mt * 16 + (ln >> 2) + (c >= 2 ? 8 : 0); };
     auto frag_col = [&](int c, int ln) { return 2 * (ln & 3) + (c & 1); };
-"""
-
-# the epilogue of q4_matmul: silu(gate) * up, or the product (plus a residual)
-_Q4_PLAIN_EPILOGUE = r"""
     if (SWIGLU) {  // column tiles come in (gate, up) pairs: y [M, N/2] = silu(gate) * up
       for (int e = threadIdx.x; e < NT * 2 * 32; e += 32 * KSPLIT) {
         const int idx = e >> 5, ln = e & 31;
@@ -302,59 +285,6 @@ _Q4_PLAIN_EPILOGUE = r"""
         y[at] = RESID ? __float2bfloat16(__bfloat162float(v) + __bfloat162float(res[at])) : v;
       }
     }
-"""
-
-# the epilogue of q4_rope: the weights' rows are in rope_rows order, so column tiles come
-# in (d, d + D/2) pairs of one head. FUSE: q rotated into y [M, HQ*D], k rotated and v into
-# the pool rows write_rows gives (as rope_write on the plain product: the same bits);
-# otherwise the plain product in the original column order, y [M, N]
-_Q4_ROPE_EPILOGUE = r"""
-    constexpr int PAIRS = D / 16;  // tile pairs per head
-    const int HQ = N / D - 2 * HKV;
-    for (int e = threadIdx.x; e < NT * 2 * 32; e += 32 * KSPLIT) {
-      const int idx = e >> 5, ln = e & 31;
-      const int pr = idx >> 2, c = idx & 3;
-      const int row = frag_row(c, ln);
-      if (row >= M) continue;
-      const int pair = tile0 / 2 + pr;
-      const int head = pair / PAIRS;
-      const int d = (pair % PAIRS) * 8 + frag_col(c, ln);
-      const __nv_bfloat16 v1 = __float2bfloat16(reduced(8 * pr + c, ln));
-      const __nv_bfloat16 v2 = __float2bfloat16(reduced(8 * pr + 4 + c, ln));
-      if (!FUSE) {
-        const size_t at = (size_t)row * N + (size_t)head * D + d;
-        y[at] = v1;
-        y[at + D / 2] = v2;
-        continue;
-      }
-      const bool writes = row < write_rows_shape[0];  // padding rows write no K/V
-      if (head >= HQ + HKV) {
-        if (writes) {
-          __nv_bfloat16* vp = const_cast<__nv_bfloat16*>(vpool);
-          const size_t dst = (size_t)write_rows[(size_t)row * HKV + (head - HQ - HKV)] * D + d;
-          vp[dst] = v1;
-          vp[dst + D / 2] = v2;
-        }
-        continue;
-      }
-      const int p = positions[row];
-      float o1, o2;
-      rope_rotate(__bfloat162float(v1), __bfloat162float(v2), cos_t + (size_t)p * D + d,
-                  sin_t + (size_t)p * D + d, D / 2, o1, o2);
-      if (head < HQ) {
-        const size_t dst = ((size_t)row * HQ + head) * D + d;
-        y[dst] = __float2bfloat16(o1);
-        y[dst + D / 2] = __float2bfloat16(o2);
-      } else if (writes) {
-        __nv_bfloat16* kp = const_cast<__nv_bfloat16*>(kpool);
-        const size_t dst = (size_t)write_rows[(size_t)row * HKV + (head - HQ)] * D + d;
-        kp[dst] = __float2bfloat16(o1);
-        kp[dst + D / 2] = __float2bfloat16(o2);
-      }
-    }
-"""
-
-_Q4_END = r"""
     __syncthreads();
   }
 """
@@ -535,12 +465,15 @@ _ROPE_SOURCE = r"""
     vp[dst + d + half] = qkv[src + d + half];
     return;
   }
+  const float x1 = static_cast<float>(qkv[src + d]);
+  const float x2 = static_cast<float>(qkv[src + d + half]);
   const int p = positions[r];
-  float r1, r2;
-  rope_rotate(static_cast<float>(qkv[src + d]), static_cast<float>(qkv[src + d + half]),
-              cos_t + (size_t)p * D + d, sin_t + (size_t)p * D + d, half, r1, r2);
-  const T o1 = static_cast<T>(r1);
-  const T o2 = static_cast<T>(r2);
+  const float c1 = static_cast<float>(cos_t[(size_t)p * D + d]);
+  const float c2 = static_cast<float>(cos_t[(size_t)p * D + d + half]);
+  const float s1 = static_cast<float>(sin_t[(size_t)p * D + d]);
+  const float s2 = static_cast<float>(sin_t[(size_t)p * D + d + half]);
+  const T o1 = static_cast<T>(x1 * c1 - x2 * s1);
+  const T o2 = static_cast<T>(x2 * c2 + x1 * s2);
   if (hd < HQ) {
     const size_t dst = ((size_t)r * HQ + hd) * D;
     q[dst + d] = o1;
@@ -580,10 +513,7 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     """The kernel object; one per dynamic shared-memory size (MLX fixes it per object, and
     every template instantiation of q4_matmul always asks for the same size)."""
     sources = {
-        "q4_matmul": (["x", "wp", "sp", "res"], ["y"],
-                      _Q4_MAIN + _Q4_PLAIN_EPILOGUE + _Q4_END, _Q4_HEADER),
-        "q4_rope": (["x", "wp", "sp", "cos_t", "sin_t", "positions", "write_rows", "kpool",
-                     "vpool"], ["y"], _Q4_MAIN + _Q4_ROPE_EPILOGUE + _Q4_END, _Q4_HEADER),
+        "q4_matmul": (["x", "wp", "sp", "res"], ["y"], _Q4_SOURCE, _Q4_HEADER),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
                             ["out"], _ATTENTION_SOURCE, ""),
         "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool"],
@@ -706,74 +636,18 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     add = residual is not None and RESIDUAL_EPILOGUE
     assert not fused or nt % 2 == 0, "a block holds whole (gate, up) tile pairs"
     x = x.astype(mx.bfloat16)
-    y = _q4_launch("q4_matmul", [x, wp, sp, residual if add else x],
-                   [("SWIGLU", fused), ("RESID", add)], (m, n // 2 if fused else n),
-                   mt, nt, ksplit, stages)
+    (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages))(
+        inputs=[x, wp, sp, residual if add else x],
+        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("STAGES", stages),
+                  ("SWIGLU", fused), ("RESID", add)],
+        grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
+        threadgroup=(32 * ksplit, 1, 1),
+        output_shapes=[(m, n // 2 if fused else n)],
+        output_dtypes=[mx.bfloat16],
+    )
     if gate_up and not fused:
         y = swiglu(y, paired=True)
     return y + residual if residual is not None and not add else y
-
-
-def _q4_launch(name: str, inputs: list[mx.array], template: list[tuple[str, Any]],
-               out_shape: tuple[int, int], mt: int, nt: int, ksplit: int,
-               stages: int) -> mx.array:
-    """One launch of a 4-bit matmul kernel (q4_matmul or q4_rope) over x = inputs[0]."""
-    m = inputs[0].shape[0]
-    n = inputs[1].shape[0] * 8
-    (y,) = _kernel(name, _shared_bytes(nt, ksplit, stages))(
-        inputs=inputs,
-        template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("STAGES", stages), *template],
-        grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
-        threadgroup=(32 * ksplit, 1, 1),
-        output_shapes=[out_shape],
-        output_dtypes=[mx.bfloat16],
-    )
-    return y
-
-
-def q4_rope(x: mx.array, wp: mx.array, sp: mx.array, cos: mx.array, sin: mx.array,
-            positions: mx.array, write_rows: mx.array, kpool: mx.array, vpool: mx.array,
-            heads: int, kv_heads: int, head_dim: int) -> mx.array:
-    """rope_write(x W^T, ...) for fused QKV weights packed in rope_rows order: RoPE'd q
-    [M, heads * D], and k (RoPE'd) and v written into the pool in place (see rope_write).
-
-    One launch: the matmul's epilogue rotates and writes (the same bits as rope_write on
-    the plain product), and a step has one op less per layer. The epilogue leaves every
-    launch shape's registers as they were (nvcc 13, sm_90a: 80 / 94 / 128).
-    """
-    m, k = x.shape
-    n = wp.shape[0] * 8
-    assert n == (heads + 2 * kv_heads) * head_dim and head_dim % 16 == 0
-    assert write_rows.shape[0] <= m and write_rows.shape[1] == kv_heads, "pool rows per row"
-    mt, nt, stages = _launch(m, n)
-    assert nt % 2 == 0, "a block holds whole (d, d + D/2) tile pairs"
-    x = x.astype(mx.bfloat16)
-    return _q4_launch("q4_rope", [x, wp, sp, cos, sin, positions, write_rows, kpool, vpool],
-                      [("D", head_dim), ("HKV", kv_heads), ("FUSE", True)],
-                      (m, heads * head_dim), mt, nt, _k_split(k // 128), stages)
-
-
-def q4_unroped(x: mx.array, wp: mx.array, sp: mx.array, kv_heads: int,
-               head_dim: int) -> mx.array:
-    """x W^T [M, N] in the original column order, for fused QKV weights in rope_rows order
-    (for a path that rotates q and k itself)."""
-    m, k = x.shape
-    n = wp.shape[0] * 8
-    mt, nt, stages = _launch(m, n)
-    assert nt % 2 == 0, "a block holds whole (d, d + D/2) tile pairs"
-    x = x.astype(mx.bfloat16)
-    none = mx.zeros((1, kv_heads), mx.int32)  # positions and pool rows: unused here
-    return _q4_launch("q4_rope", [x, wp, sp, x, x, none, none, x, x],
-                      [("D", head_dim), ("HKV", kv_heads), ("FUSE", False)], (m, n), mt, nt,
-                      _k_split(k // 128), stages)
-
-
-def rope_rows(heads: int, head_dim: int) -> mx.array:
-    """The row order of a fused QKV matrix (heads = query + 2 * kv heads) that puts each
-    head's 8-row tile j and tile j + D/16 (dimensions d and d + D/2, the pairs RoPE rotates
-    together) side by side: q4_rope then finds both halves of a pair in one block."""
-    rows = mx.arange(heads * head_dim, dtype=mx.int32).reshape(heads, 2, head_dim // 16, 8)
-    return rows.transpose(0, 2, 1, 3).reshape(-1)
 
 
 def paired_rows(inter: int) -> mx.array:

@@ -39,8 +39,6 @@ def gelu_tanh(x: mx.array) -> mx.array:
 class Attention(llama.Attention):
     """Llama attention plus per-head q/k norms before RoPE and an optional sliding window."""
 
-    native_block = False  # q/k norms sit between the projection and RoPE
-
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
                  quant: bool, window: int | None) -> None:
         super().__init__(cfg, w, p, dtype, quant)

@@ -22,9 +22,8 @@ from slotserve.model.weights import Tensor
 
 class Attention:
     # Runs as one native block on the CPU (QKV, RoPE, K/V write, attention) when it can,
-    # and rotates q/k and writes K/V in the QKV matmul's CUDA launch (or one kernel after it)
-    # on the GPU; subclasses that change q/k between projection and RoPE (Qwen3's and
-    # Gemma 3's norms) opt out.
+    # and splits + rotates q/k and writes K/V in one CUDA kernel on the GPU; subclasses that
+    # change q/k between projection and RoPE (Qwen3's norms) opt out.
     native_block = True
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
@@ -32,32 +31,15 @@ class Attention:
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = Linear.fused(
             [w[f"{p}.q_proj.weight"], w[f"{p}.k_proj.weight"], w[f"{p}.v_proj.weight"]],
-            dtype, quant, pack=False,
+            dtype, quant,
         )
-        # on the CUDA 4-bit kernel, each head's rows in RoPE pair order: q rotated, and K/V
-        # in the pool, come out of the QKV matmul's own launch (cuda.q4_rope)
-        self.rope_paired = (self.native_block and self.qkv.packable()
-                            and self.head_dim % 16 == 0
-                            and cuda.attention_supported(dtype, self.head_dim))
-        if self.rope_paired:
-            assert self.qkv.q is not None
-            self.qkv.q = self.qkv.q.take_rows(
-                cuda.rope_rows(self.heads + 2 * self.kv_heads, self.head_dim))
-        self.qkv.pack_for_gpu()
         self.o = Linear(w[f"{p}.o_proj.weight"], dtype, quant)
         self.scale = cfg.attn_scale
-
-    def project(self, x: mx.array) -> mx.array:
-        """x times the fused QKV weights, [R, (heads + 2 kv heads) * head_dim]."""
-        if self.rope_paired:
-            assert self.qkv.q4 is not None
-            return cuda.q4_unroped(x, *self.qkv.q4, self.kv_heads, self.head_dim)
-        return self.qkv(x)
 
     def split_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         r = x.shape[0]
         nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        qkv = self.project(x)
+        qkv = self.qkv(x)
         q = qkv[:, :nq].reshape(r, self.heads, self.head_dim)
         k = qkv[:, nq : nq + nk].reshape(r, self.kv_heads, self.head_dim)
         v = qkv[:, nq + nk :].reshape(r, self.kv_heads, self.head_dim)
@@ -82,13 +64,9 @@ class Attention:
         if self.native_block and batch.cuda is not None and rope is not None:
             pool = batch.pool
             assert pool is not None and batch.write_rows is not None
-            kv_args = (rope.cos, rope.sin, batch.positions, batch.write_rows, pool.keys[layer],
-                       pool.values[layer], self.heads, self.kv_heads, self.head_dim)
-            if self.rope_paired and cuda.ROPE_EPILOGUE:
-                assert self.qkv.q4 is not None
-                q = cuda.q4_rope(x, *self.qkv.q4, *kv_args)
-            else:
-                q = cuda.rope_write(self.project(x), *kv_args)
+            q = cuda.rope_write(self.qkv(x), rope.cos, rope.sin, batch.positions,
+                                batch.write_rows, pool.keys[layer], pool.values[layer],
+                                self.heads, self.kv_heads, self.head_dim)
             batch.effects.append(q)  # its K/V writes must run even if no logits are asked
             return self.o(cuda.paged_attention(q, pool.keys[layer], pool.values[layer],
                                                *batch.cuda, self.scale), residual)
