@@ -15,6 +15,8 @@
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers)
+#   sass   the 1-row gate+up launch's SASS with per-instruction counts; warp states of it and
+#          of the 1-row attention (ncu)
 #   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention, both methods
 #   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
 #   peer   bench/peer_transformers.py: transformers generate_batch, bf16, same 8B shape
@@ -169,6 +171,21 @@ if want attention_detail; then
       $PY bench/gpu_profile.py "$LLAMA" --rows 1 > "$OUT/attention_detail.txt" 2>&1
     grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall" \
       "$OUT/attention_detail.txt" | cut -c1-220 | head -60
+  fi
+fi
+
+if want sass; then
+  stage "sass: the 1-row gate+up launch's SASS with executed counts, warp states (ncu)"
+  if command -v ncu >/dev/null; then
+    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
+      --section SourceCounters --section WarpStateStats --section InstructionStats \
+      -k regex:slotserve_q4_matmul_1_4_8_2 -c 1 --page source --print-source sass \
+      $PY bench/gpu_profile.py "$LLAMA" --rows 1 > "$OUT/sass_q4.txt" 2>&1
+    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
+      --section WarpStateStats --section SchedulerStats --section InstructionStats \
+      -k regex:"slotserve_q4_matmul_1_4_8_2|slotserve_paged_attention" -c 2 \
+      $PY bench/gpu_profile.py "$LLAMA" --rows 1 > "$OUT/warp_states.txt" 2>&1
+    wc -l "$OUT/sass_q4.txt" "$OUT/warp_states.txt"
   fi
 fi
 

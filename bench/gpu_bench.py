@@ -593,8 +593,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "sweep_not_compiled")
             runner_obj.compiled = compiled
             report["compiled_traces"] = compiled.traced
-        # a kernel switch (cuda.ATTENTION_PREFETCH, cuda.RESIDUAL_EPILOGUE: the same bits
-        # either way) off and on, in the order off, on, on, off: late sweeps of a process run slower
+        # a kernel switch (cuda.RESIDUAL_EPILOGUE: the same bits either way) off and on, in the order off, on, on, off: late sweeps of a process run slower
         # (runs Z, AE), and this order cancels a steady drift; compiled traces hold the
         # launches they were traced with, so they are dropped at each switch
         if args.ab_streams:
@@ -634,8 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
-    p.add_argument("--ab-switch", default="ATTENTION_PREFETCH",
-                   choices=["ATTENTION_PREFETCH", "RESIDUAL_EPILOGUE"],
+    p.add_argument("--ab-switch", default="RESIDUAL_EPILOGUE", choices=["RESIDUAL_EPILOGUE"],
                    help="the slotserve.kernels.cuda switch to sweep off/on/on/off")
     p.add_argument("--ab-streams", default="1,8,64",
                    help="stream counts of that side-by-side ('' skips it)")

@@ -37,9 +37,6 @@ BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
 # the residual add in the 4-bit matmul's epilogue (q4_matmul(residual=...)); read at each
 # call, so a benchmark can compare (the same bits either way)
 RESIDUAL_EPILOGUE = True
-# paged_attention issues L2 prefetches of all its K/V rows before its key-block loop: read
-# at each call, so a benchmark can compare (the same bits either way)
-ATTENTION_PREFETCH = True
 
 # helpers every kernel may use
 _COMMON = r"""
@@ -320,19 +317,6 @@ _ATTENTION_SOURCE = r"""
 #pragma unroll
   for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   const int* table = tables + (size_t)tb * nbmax * HKV;
-  if (PREFETCH) {  // every key block's K and V rows toward L2 at once: the loop below then
-    // waits on L2, not on one DRAM round trip (and page walk) after another
-    for (int jb = lo / 128; jb <= pos / 128; ++jb) {
-      const int key = jb * 128 + tid;
-      if (key < lo || key > pos) continue;
-      const size_t at = ((size_t)table[jb * HKV + h] * 128 + tid) * D;
-#pragma unroll
-      for (int o = 0; o < D; o += 64) {  // 128-byte lines
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(kpool + at + o));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(vpool + at + o));
-      }
-    }
-  }
   for (int jb = lo / 128; jb <= pos / 128; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
@@ -697,8 +681,7 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     (out,) = _kernel("paged_attention")(
         inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
                 _attention_params(scale)],
-        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
-                  ("PREFETCH", ATTENTION_PREFETCH)],
+        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0)],
         grid=(r * hkv * 128, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(r, hq * d)],
