@@ -52,11 +52,24 @@ _Q4_HEADER = r"""
 
 // two 4-bit codes as two exact bf16 values: q4_pack stores each word's codes interleaved
 // (nibbles c0 c2 c4 c6 c1 c3 c5 c7), so pair j = (c_2j, c_2j+1) sits at bits 4j and 4j+16
-// and one shift, one and-or (lop3) and one bf16x2 subtract dequantize both
+// and one shift, an and-or and one bf16x2 subtract dequantize both. LEAN (launches of one
+// row tile): the and-or as one lop3 with 128 in a register (the compiler makes two of it)
+// and the 128s as a constant; the same values, but a launch of two row tiles needs 134-142
+// registers for it instead of 128, half its occupancy.
+template <bool LEAN>
 __device__ __forceinline__ uint32_t q4_pair(uint32_t w, int j) {
-  uint32_t r = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;  // 128 + q in bf16
-  __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&r);
-  h = __hsub2(h, __floats2bfloat162_rn(128.0f, 128.0f));
+  uint32_t r;
+  __nv_bfloat162 h;
+  if (LEAN) {
+    asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(r) : "r"(w >> (4 * j)), "r"(0x43004300u));
+    constexpr uint32_t C128 = 0x43004300u;  // two bf16 128.0
+    h = *reinterpret_cast<__nv_bfloat162*>(&r);
+    h = __hsub2(h, *reinterpret_cast<const __nv_bfloat162*>(&C128));
+  } else {
+    r = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;  // 128 + q in bf16
+    h = *reinterpret_cast<__nv_bfloat162*>(&r);
+    h = __hsub2(h, __floats2bfloat162_rn(128.0f, 128.0f));
+  }
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
@@ -82,19 +95,51 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // the 16 codes of one 64-wide group this thread holds (two words) as mma B fragments:
 // bq[2s], bq[2s+1] = k-slots (2t, 2t+1) and (2t+8, 2t+9) of step s
+template <bool LEAN>
 __device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t* bq) {
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t word = s < 2 ? wlo : whi;
-    bq[2 * s] = q4_pair(word, 2 * (s & 1));  // codes 4(s&1), +1 of the word
-    bq[2 * s + 1] = q4_pair(word, 2 * (s & 1) + 1);  // codes 4(s&1) + 2, + 3
+    bq[2 * s] = q4_pair<LEAN>(word, 2 * (s & 1));  // codes 4(s&1), +1 of the word
+    bq[2 * s + 1] = q4_pair<LEAN>(word, 2 * (s & 1) + 1);  // codes 4(s&1) + 2, + 3
   }
 }
 
-// rows r0 = row and r1 = row + 8 of x, k = 64*gi + 16t .. +15 (zeros past M): xr[0..1]
-// row r0, xr[2..3] row r1
+// one 32-bit global load, kept apart: merged vector loads put a fragment's words in
+// registers the mma cannot take as they are, and the compiler then moves them for every mma
+__device__ __forceinline__ uint32_t ldg32(const void* p) {
+  uint32_t v;
+  asm("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// rows r0 = row and r1 = row + 8 of x, k = 64*gi + 16t .. +15 (zeros past M), as the A
+// fragments of the group's four mma steps: a[s] = (r0 word 2s, r1 word 2s, r0 word 2s+1,
+// r1 word 2s+1). SPLIT (launches of one row tile): one load per word, so each fragment is
+// loaded into the registers the mma reads (from 16-byte loads the compiler moved 4 registers
+// for every mma: 22 % of a 1-row launch's instructions, ncu run AI); else two 16-byte loads
+// per row (split loads cost a launch of two row tiles 130 registers instead of 128, half its
+// occupancy). The same values either way.
+template <bool SPLIT>
 __device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, int row, int gi,
-                                        int t, uint4* xr) {
+                                        int t, uint32_t (*a)[4]) {
+  if (SPLIT) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) a[s][0] = a[s][1] = a[s][2] = a[s][3] = 0u;
+    if (row < M) {
+      const uint32_t* p = reinterpret_cast<const uint32_t*>(x + (size_t)row * K + gi * 64 + 16 * t);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) { a[s][0] = ldg32(p + 2 * s); a[s][2] = ldg32(p + 2 * s + 1); }
+    }
+    if (row + 8 < M) {
+      const uint32_t* p =
+          reinterpret_cast<const uint32_t*>(x + (size_t)(row + 8) * K + gi * 64 + 16 * t);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) { a[s][1] = ldg32(p + 2 * s); a[s][3] = ldg32(p + 2 * s + 1); }
+    }
+    return;
+  }
+  uint4 xr[4];
   xr[0] = xr[1] = xr[2] = xr[3] = make_uint4(0, 0, 0, 0);
   if (row < M) {
     const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)row * K + gi * 64 + 16 * t);
@@ -106,23 +151,22 @@ __device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, in
     xr[2] = p[0];
     xr[3] = p[1];
   }
+  const uint32_t A0[8] = {xr[0].x, xr[0].y, xr[0].z, xr[0].w, xr[1].x, xr[1].y, xr[1].z, xr[1].w};
+  const uint32_t A1[8] = {xr[2].x, xr[2].y, xr[2].z, xr[2].w, xr[3].x, xr[3].y, xr[3].z, xr[3].w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    a[s][0] = A0[2 * s]; a[s][1] = A1[2 * s]; a[s][2] = A0[2 * s + 1]; a[s][3] = A1[2 * s + 1];
+  }
 }
 
-// fetch_x's values as mma A fragments, and each row's sum over the whole group: four mma
-// steps against all-ones columns (c[0] = row r0's sum, c[2] = row r1's) cost four tensor
-// instructions instead of ~70 ALU ones, and every row's sum is still its own dot product
-__device__ __forceinline__ void frag_x(const uint4* xr, uint32_t* A0, uint32_t* A1, float& xs0,
-                                       float& xs1) {
-  const uint4 a0 = xr[0], a1 = xr[1], b0 = xr[2], b1 = xr[3];
-  A0[0] = a0.x; A0[1] = a0.y; A0[2] = a0.z; A0[3] = a0.w;
-  A0[4] = a1.x; A0[5] = a1.y; A0[6] = a1.z; A0[7] = a1.w;
-  A1[0] = b0.x; A1[1] = b0.y; A1[2] = b0.z; A1[3] = b0.w;
-  A1[4] = b1.x; A1[5] = b1.y; A1[6] = b1.z; A1[7] = b1.w;
+// each row's sum over the whole group: four mma steps against all-ones columns (xs0 = row
+// r0's sum, xs1 = row r1's) cost four tensor instructions instead of ~70 ALU ones, and every
+// row's sum is still its own dot product
+__device__ __forceinline__ void row_sums(const uint32_t (*a)[4], float& xs0, float& xs1) {
   constexpr uint32_t ONES = 0x3F803F80u;  // two bf16 1.0
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int s = 0; s < 4; ++s)
-    mma_bf16(c, A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1], ONES, ONES);
+  for (int s = 0; s < 4; ++s) mma_bf16(c, a[s][0], a[s][1], a[s][2], a[s][3], ONES, ONES);
   xs0 = c[0];
   xs1 = c[2];
 }
@@ -130,13 +174,12 @@ __device__ __forceinline__ void frag_x(const uint4* xr, uint32_t* A0, uint32_t* 
 // one 64-wide group of one 16-row x 8-column tile: the four mma steps on the raw codes,
 // then acc += scale * (x . q) + bias * sum(x) for columns 2t, 2t+1 of rows g, g+8.
 // sb0 / sb1: (scale, bias) bf16 pairs of columns 2t and 2t+1.
-__device__ __forceinline__ void group_mma(float* a, const uint32_t* A0, const uint32_t* A1,
-                                          const uint32_t* bq, uint32_t sb0, uint32_t sb1,
-                                          float xs0, float xs1) {
+__device__ __forceinline__ void group_mma(float* a, const uint32_t (*x)[4], const uint32_t* bq,
+                                          uint32_t sb0, uint32_t sb1, float xs0, float xs1) {
   float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int s = 0; s < 4; ++s)
-    mma_bf16(tmp, A0[2 * s], A1[2 * s], A0[2 * s + 1], A1[2 * s + 1], bq[2 * s], bq[2 * s + 1]);
+    mma_bf16(tmp, x[s][0], x[s][1], x[s][2], x[s][3], bq[2 * s], bq[2 * s + 1]);
   const float s0 = bf_lo(sb0), b0 = bf_hi(sb0), s1 = bf_lo(sb1), b1 = bf_hi(sb1);
   a[0] = __fmaf_rn(s0, tmp[0], __fmaf_rn(b0, xs0, a[0]));
   a[1] = __fmaf_rn(s1, tmp[1], __fmaf_rn(b1, xs0, a[1]));
@@ -226,17 +269,15 @@ _Q4_SOURCE = r"""
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt >= mt_live) break;
-        uint32_t A0[8], A1[8];
+        uint32_t xa[4][4];
         float xs0, xs1;
-        uint4 xr[4];
-        fetch_x(x, M, K, m_base + mt * 16 + g, gi, t, xr);
-        frag_x(xr, A0, A1, xs0, xs1);
+        fetch_x<MT == 1>(x, M, K, m_base + mt * 16 + g, gi, t, xa);  // (see fetch_x)
+        row_sums(xa, xs0, xs1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           uint32_t bq[8];
-          dequant8(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
-          group_mma(acc[mt][nt], A0, A1, bq, sword(nt, 2 * par), sword(nt, 2 * par + 1),
-                    xs0, xs1);
+          dequant8<MT == 1>(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
+          group_mma(acc[mt][nt], xa, bq, sword(nt, 2 * par), sword(nt, 2 * par + 1), xs0, xs1);
         }
       }
     }
