@@ -107,7 +107,7 @@ if want bench; then
   stage "gpu_bench llama3-8b"
   timeout "${BENCH_TIMEOUT:-280}" $PY bench/gpu_bench.py --model "$LLAMA" --streams 1,8,32,64,128 \
     --prompt-tokens 128 --new-tokens 64 --ttft-tokens 1024 --prefill-budget 1024 \
-    --out "$OUT/bench_llama3-8b.json" | grep -v '^ \|^[{}]$'
+    --out "$OUT/bench_llama3-8b.json" ${BENCH_ARGS:-} | grep -v '^ \|^[{}]$'
 fi
 
 if want host; then
