@@ -144,3 +144,26 @@ def test_q4_matmul_residual_gives_the_adds_bits() -> None:
         want = cuda.q4_matmul(x[:m], *packed) + res[:m]
         got = cuda.q4_matmul(x[:m], *packed, residual=res[:m])
         assert mx.array_equal(got, want).item(), m
+
+
+@pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 128, None), (3, 64, 100)])
+def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
+                                                    window: int | None,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    hkv, cap, d = 2, 3 * BLOCK, head_dim
+    keys = [mx.random.normal((hkv, cap, d), key=mx.random.key(30 + i)).astype(mx.bfloat16)
+            for i in range(2)]
+    values = [mx.random.normal((hkv, cap, d), key=mx.random.key(40 + i)).astype(mx.bfloat16)
+              for i in range(2)]
+    kpool, tables = paged_blocks(keys)
+    vpool, _ = paged_blocks(values)
+    q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(50)).astype(mx.bfloat16)
+    positions = [0, 1, 127, 128, 200, 255, 256, cap - 1]
+    rows = mx.array(positions, dtype=mx.int32)
+    slots = mx.array([0, 1, 0, 1, -1, 0, 1, 1], dtype=mx.int32)  # -1: a padding row
+    outs = []
+    for blocks in (0, 1 << 20):  # never staged, always staged
+        monkeypatch.setattr(cuda, "STAGED_BLOCKS", blocks)
+        outs.append(cuda.paged_attention(q[rows], kpool.reshape(-1, d), vpool.reshape(-1, d),
+                                         tables, slots, rows, d**-0.5, window))
+    assert mx.array_equal(outs[0], outs[1]).item()

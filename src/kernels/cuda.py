@@ -45,6 +45,17 @@ _COMMON = r"""
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
+
+// 16 bytes global -> shared without passing through registers (sm_80+)
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 """
 
 # the 4-bit matmul's helpers
@@ -80,17 +91,6 @@ __device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uin
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// 16 bytes global -> shared without passing through registers (sm_80+)
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // the 16 codes of one 64-wide group this thread holds (two words) as mma B fragments:
@@ -358,15 +358,34 @@ _ATTENTION_SOURCE = r"""
 #pragma unroll
   for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   const int* table = tables + (size_t)tb * nbmax * HKV;
+  // STAGED: each key block's K and V copied to shared memory with all its loads in flight
+  // at once (cp.async), one memory round trip a block; else read in place, ~6 dependent
+  // round trips a block (a one-row launch has one warp per scheduler to hide them)
+  constexpr int KW = D / 8 + 1;  // 16-byte words per staged K row (padded: no bank conflicts)
+  extern __shared__ uint4 staged[];  // [128][KW] K rows, then [128][D / 8] V rows
   for (int jb = lo / 128; jb <= pos / 128; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
     const bool valid = key >= lo && key <= pos;
+    const int n = min(128, pos + 1 - jb * 128);  // keys of this block up to pos
+    if (STAGED) {
+      const uint4* kg = reinterpret_cast<const uint4*>(kpool + blk * D);
+      const uint4* vg = reinterpret_cast<const uint4*>(vpool + blk * D);
+      if (tid < n) {
+#pragma unroll
+        for (int c = 0; c < D / 8; ++c) cp_async16(&staged[tid * KW + c], kg + tid * (D / 8) + c);
+      }
+      for (int e = tid; e < n * (D / 8); e += 128) cp_async16(&staged[128 * KW + e], vg + e);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
     float s[G];
 #pragma unroll
     for (int gg = 0; gg < G; ++gg) s[gg] = 0.0f;
     if (valid) {  // the key row in pieces of 8 loads issued together (latency, not order)
-      const uint4* krow = reinterpret_cast<const uint4*>(kpool + (blk + tid) * D);
+      const uint4* krow = STAGED ? staged + tid * KW
+                                 : reinterpret_cast<const uint4*>(kpool + (blk + tid) * D);
       constexpr int PIECE = D / 8 < 8 ? D / 8 : 8;
 #pragma unroll
       for (int c0 = 0; c0 < D / 8; c0 += PIECE) {
@@ -426,9 +445,8 @@ _ATTENTION_SOURCE = r"""
     // 8 keys' loads in flight at a time; then thread d sums the warps' partials in warp
     // order and rescales its running sum: a fixed order, whatever the batch
     {
-      const int n = min(128, pos + 1 - jb * 128);
       const int j1 = min(n, warp * 32 + 32);
-      const T* vb = vpool + blk * D;
+      const T* vb = STAGED ? reinterpret_cast<const T*>(staged + 128 * KW) : vpool + blk * D;
       float pv[G][DPL];
 #pragma unroll
       for (int gg = 0; gg < G; ++gg)
@@ -705,6 +723,17 @@ def attention_supported(dtype: mx.Dtype, head_dim: int) -> bool:
     return dtype == mx.bfloat16 and head_dim % 8 == 0 and head_dim <= 128
 
 
+# paged_attention stages K/V in shared memory (~66 kB a block at D = 128, so two blocks an SM)
+# in launches of up to this many blocks (rows x kv heads): one wave on the H200's 132 SMs;
+# larger launches read in place and keep more blocks resident. The same bits either way.
+STAGED_BLOCKS = 256
+
+
+def _staged_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a staged paged_attention launch: padded K rows, then V rows."""
+    return 128 * (2 * head_dim // 8 + 1) * 16
+
+
 @cache
 def _attention_params(scale: float) -> mx.array:
     """The kernel's params input (scale in log2 units), made once per scale."""
@@ -719,10 +748,12 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     r, d = q.shape[0], kpool.shape[-1]
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
-    (out,) = _kernel("paged_attention")(
+    staged = r * hkv <= STAGED_BLOCKS
+    (out,) = _kernel("paged_attention", _staged_bytes(d) if staged else 0)(
         inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
                 _attention_params(scale)],
-        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0)],
+        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
+                  ("STAGED", staged)],
         grid=(r * hkv * 128, 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=[(r, hq * d)],
