@@ -11,10 +11,11 @@ is ~15 small kernels per layer. These replace both on the GPU:
   summed in warp order: every output element is computed the same way whatever the
   row count, so one row alone and the same row in a batch of 128 give the same bits.
 * `paged_attention`: one thread block per (row, kv head) attends its GQA group of
-  query heads over the row's own slot, reading K/V blocks in place through the
-  slot's block table (the pool layout of slotserve.model.kv), online softmax in
-  key blocks of 128 at fixed absolute positions. Decode rows and prefill rows are
-  the same work, so a position's output never depends on how it was batched.
+  query heads over the row's own slot, reading K/V blocks through the slot's block
+  table (the pool layout of slotserve.model.kv; small launches stage each key block in
+  shared memory first), online softmax in key blocks of 128 at fixed absolute
+  positions. Decode rows and prefill rows are the same work, so a position's output
+  never depends on how it was batched.
 * `rope_write` and `swiglu`: the elementwise glue around them in one launch each, so
   a layer's graph stays short (graph building and launching are host time on every
   step); `rope_write` also puts K/V straight into the pool (no scatter ops).
@@ -45,7 +46,10 @@ _COMMON = r"""
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
+"""
 
+# copies global -> shared for the kernels that stage their loads (the 4-bit matmul, attention)
+_ASYNC = r"""
 // 16 bytes global -> shared without passing through registers (sm_80+)
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -59,14 +63,15 @@ __device__ __forceinline__ void cp_async_wait() {
 """
 
 # the 4-bit matmul's helpers
-_Q4_HEADER = r"""
+_Q4_HEADER = _ASYNC + r"""
 
 // two 4-bit codes as two exact bf16 values: q4_pack stores each word's codes interleaved
 // (nibbles c0 c2 c4 c6 c1 c3 c5 c7), so pair j = (c_2j, c_2j+1) sits at bits 4j and 4j+16
 // and one shift, an and-or and one bf16x2 subtract dequantize both. LEAN (launches of one
-// row tile): the and-or as one lop3 with 128 in a register (the compiler makes two of it)
-// and the 128s as a constant; the same values, but a launch of two row tiles needs 134-142
-// registers for it instead of 128, half its occupancy.
+// row tile): the and-or written as one lop3 with 128 in a register (from C the compiler
+// makes two lop3s, each taking one of the two constants) and the 128s as a constant; the
+// same values, but a launch of two row tiles needs 134-142 registers for it instead of 128,
+// half its occupancy.
 template <bool LEAN>
 __device__ __forceinline__ uint32_t q4_pair(uint32_t w, int j) {
   uint32_t r;
@@ -117,7 +122,7 @@ __device__ __forceinline__ uint32_t ldg32(const void* p) {
 // fragments of the group's four mma steps: a[s] = (r0 word 2s, r1 word 2s, r0 word 2s+1,
 // r1 word 2s+1). SPLIT (launches of one row tile): one load per word, so each fragment is
 // loaded into the registers the mma reads (from 16-byte loads the compiler moved 4 registers
-// for every mma: 22 % of a 1-row launch's instructions, ncu run AI); else two 16-byte loads
+// for every mma: 22 % of a 1-row launch's instructions, ncu run AH2); else two 16-byte loads
 // per row (split loads cost a launch of two row tiles 130 registers instead of 128, half its
 // occupancy). The same values either way.
 template <bool SPLIT>
@@ -329,6 +334,8 @@ _Q4_SOURCE = r"""
     __syncthreads();
   }
 """
+
+_ATTENTION_HEADER = _ASYNC
 
 # One block (128 threads) per (row, kv head); q [R, Hq*D], pools [blocks*128, D],
 # tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e].
@@ -574,7 +581,7 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     sources = {
         "q4_matmul": (["x", "wp", "sp", "res"], ["y"], _Q4_SOURCE, _Q4_HEADER),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
-                            ["out"], _ATTENTION_SOURCE, ""),
+                            ["out"], _ATTENTION_SOURCE, _ATTENTION_HEADER),
         "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool"],
                        ["q"], _ROPE_SOURCE, ""),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE, ""),
