@@ -141,6 +141,15 @@ ncu_stage() {
   $PY bench/gpu_profile.py --summarize "$OUT/$name.csv" > "$OUT/$name.json"
 }
 
+# ncu's report on the kernels its arguments pick while a python command runs, into $OUT/$1
+# (fails only where there is no ncu: a report cut short by the time limit is still read)
+ncu_report() {
+  local file=$1; shift
+  if ! command -v ncu >/dev/null; then echo "ncu absent: no $file"; return 1; fi
+  timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none "$@" \
+    > "$OUT/$file" 2>&1 || true
+}
+
 if want profile; then
   stage "profile: one decode step kernel by kernel (ncu), 1 and 64 rows"
   ncu_stage profile bench/gpu_profile.py "$LLAMA" --rows 1,64
@@ -154,10 +163,8 @@ fi
 
 if want detail; then
   stage "detail: ncu's detailed sections for the engine's 4-bit launches (gate+up, down, lm_head), 1 and 64 rows"
-  if command -v ncu >/dev/null; then
-    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
-      --set detailed -k regex:slotserve_q4 \
-      $PY bench/gpu_profile.py --launches --rule-only --rows 1,64 > "$OUT/detail.txt" 2>&1
+  if ncu_report detail.txt --set detailed -k regex:slotserve_q4 \
+      $PY bench/gpu_profile.py --launches --rule-only --rows 1,64; then
     grep -E "slotserve_q4|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Hit|L2 Hit|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|stalled" \
       "$OUT/detail.txt" | cut -c1-220 | head -150
   fi
@@ -165,10 +172,8 @@ fi
 
 if want attention_detail; then
   stage "attention_detail: ncu's detailed sections for paged_attention in a 1-row decode step"
-  if command -v ncu >/dev/null; then
-    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
-      --set detailed -k regex:slotserve_paged_attention -c 2 \
-      $PY bench/gpu_profile.py "$LLAMA" --rows 1 > "$OUT/attention_detail.txt" 2>&1
+  if ncu_report attention_detail.txt --set detailed -k regex:slotserve_paged_attention -c 2 \
+      $PY bench/gpu_profile.py "$LLAMA" --rows 1; then
     grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall" \
       "$OUT/attention_detail.txt" | cut -c1-220 | head -60
   fi
@@ -176,17 +181,13 @@ fi
 
 if want sass; then
   stage "sass: the 1-row gate+up launch's SASS with executed counts, warp states (ncu)"
-  if command -v ncu >/dev/null; then
-    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
-      --section SourceCounters --section WarpStateStats --section InstructionStats \
-      -k regex:slotserve_q4_matmul_1_4_8_2 -c 1 --page source --print-source sass \
-      $PY bench/gpu_profile.py "$LLAMA" --rows 1 > "$OUT/sass_q4.txt" 2>&1
-    timeout "${PROFILE_TIMEOUT:-240}" ncu --profile-from-start off --clock-control none \
-      --section WarpStateStats --section SchedulerStats --section InstructionStats \
-      -k regex:"slotserve_q4_matmul_1_4_8_2|slotserve_paged_attention" -c 2 \
-      $PY bench/gpu_profile.py "$LLAMA" --rows 1 > "$OUT/warp_states.txt" 2>&1
-    wc -l "$OUT/sass_q4.txt" "$OUT/warp_states.txt"
-  fi
+  ncu_report sass_q4.txt --section SourceCounters --section WarpStateStats \
+    --section InstructionStats -k regex:slotserve_q4_matmul_1_4_8_2 -c 1 \
+    --page source --print-source sass $PY bench/gpu_profile.py "$LLAMA" --rows 1 &&
+  ncu_report warp_states.txt --section WarpStateStats --section SchedulerStats \
+    --section InstructionStats -k regex:"slotserve_q4_matmul_1_4_8_2|slotserve_paged_attention" \
+    -c 2 $PY bench/gpu_profile.py "$LLAMA" --rows 1 &&
+  wc -l "$OUT/sass_q4.txt" "$OUT/warp_states.txt"
 fi
 
 if want micro; then
