@@ -54,22 +54,31 @@ def test_q4_matmul_rows_do_not_depend_on_row_count() -> None:
             assert mx.array_equal(one, full[m - 1]).item(), m
 
 
+def _paged_kv(slots: int, hkv: int, cap: int, d: int, k_seed: int, v_seed: int
+              ) -> tuple[list[mx.array], list[mx.array], mx.array, mx.array, mx.array]:
+    """Random bf16 K and V of `slots` slots ([hkv, cap, d] each), and the same in the pool's
+    layout: (keys, values, key pool [rows, d], value pool [rows, d], block tables)."""
+    keys = [mx.random.normal((hkv, cap, d), key=mx.random.key(k_seed + i)).astype(mx.bfloat16)
+            for i in range(slots)]
+    values = [mx.random.normal((hkv, cap, d), key=mx.random.key(v_seed + i)).astype(mx.bfloat16)
+              for i in range(slots)]
+    kblocks, tables = paged_blocks(keys)
+    vblocks, _ = paged_blocks(values)
+    return keys, values, kblocks.reshape(-1, d), vblocks.reshape(-1, d), tables
+
+
 @pytest.mark.parametrize(("group", "head_dim", "window"),
                          [(4, 128, None), (2, 64, None), (3, 64, 100)])
 def test_paged_attention_matches_reference(group: int, head_dim: int, window: int | None) -> None:
     hkv, cap = 2, 3 * BLOCK
-    ks = [mx.random.normal((hkv, cap, head_dim), key=mx.random.key(i)) for i in range(3)]
-    vs = [mx.random.normal((hkv, cap, head_dim), key=mx.random.key(9 + i)) for i in range(3)]
-    kpool, tables = paged_blocks([k.astype(mx.bfloat16) for k in ks])
-    vpool, _ = paged_blocks([v.astype(mx.bfloat16) for v in vs])
+    keys, values, kpool, vpool, tables = _paged_kv(3, hkv, cap, head_dim, 0, 9)
     q = mx.random.normal((cap, hkv * group, head_dim), key=mx.random.key(20)).astype(mx.bfloat16)
     # rows of slot 1: a prefill chunk over positions 0..199, then decode rows at 250 and cap-1
     positions = [*range(200), 250, cap - 1]
     rows = mx.array(positions, dtype=mx.int32)
-    got = cuda.paged_attention(q[rows], kpool.reshape(-1, head_dim), vpool.reshape(-1, head_dim),
-                               tables, mx.ones((len(positions),), mx.int32), rows,
-                               head_dim**-0.5, window)
-    k1, v1 = ks[1].astype(mx.bfloat16), vs[1].astype(mx.bfloat16)
+    got = cuda.paged_attention(q[rows], kpool, vpool, tables,
+                               mx.ones((len(positions),), mx.int32), rows, head_dim**-0.5, window)
+    k1, v1 = keys[1], values[1]
     for i, p in enumerate(positions):
         if p >= 200 or p % 37 == 0:
             want = reference_attention(q[p : p + 1], k1, v1, p, head_dim**-0.5, window)
@@ -151,12 +160,7 @@ def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
                                                     window: int | None,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     hkv, cap, d = 2, 3 * BLOCK, head_dim
-    keys = [mx.random.normal((hkv, cap, d), key=mx.random.key(30 + i)).astype(mx.bfloat16)
-            for i in range(2)]
-    values = [mx.random.normal((hkv, cap, d), key=mx.random.key(40 + i)).astype(mx.bfloat16)
-              for i in range(2)]
-    kpool, tables = paged_blocks(keys)
-    vpool, _ = paged_blocks(values)
+    _, _, kpool, vpool, tables = _paged_kv(2, hkv, cap, d, 30, 40)
     q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(50)).astype(mx.bfloat16)
     positions = [0, 1, 127, 128, 200, 255, 256, cap - 1]
     rows = mx.array(positions, dtype=mx.int32)
@@ -164,6 +168,6 @@ def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
     outs = []
     for blocks in (0, 1 << 20):  # never staged, always staged
         monkeypatch.setattr(cuda, "STAGED_BLOCKS", blocks)
-        outs.append(cuda.paged_attention(q[rows], kpool.reshape(-1, d), vpool.reshape(-1, d),
-                                         tables, slots, rows, d**-0.5, window))
+        outs.append(cuda.paged_attention(q[rows], kpool, vpool, tables, slots, rows, d**-0.5,
+                                         window))
     assert mx.array_equal(outs[0], outs[1]).item()
