@@ -171,3 +171,44 @@ def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
         outs.append(cuda.paged_attention(q[rows], kpool, vpool, tables, slots, rows, d**-0.5,
                                          window))
     assert mx.array_equal(outs[0], outs[1]).item()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 128), (9, 3, 64)])
+def test_rope_attention_gives_rope_write_and_attentions_bits(
+        heads: int, kv_heads: int, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    cap = 3 * BLOCK
+    keys = [mx.random.normal((kv_heads, cap, d), key=mx.random.key(60 + i)).astype(mx.bfloat16)
+            for i in range(3)]
+    values = [mx.random.normal((kv_heads, cap, d), key=mx.random.key(70 + i)).astype(mx.bfloat16)
+              for i in range(3)]
+    kblocks, tables = paged_blocks(keys)
+    vblocks, _ = paged_blocks(values)
+    rope = Rope(d, 10000.0, None, mx.bfloat16)
+    rope.reserve(cap)
+    # a decode step: one row per slot (at a block's first position, mid-block, the last
+    # position), then a padding row; each row's K/V goes to its slot's row at its position
+    positions = [128, 200, cap - 1, 0]
+    slots = [0, 1, 2, -1]
+    writes = np.array([[int(tables[s, p // BLOCK, h]) * BLOCK + p % BLOCK
+                        for h in range(kv_heads)]
+                       for s, p in zip(slots[:3], positions[:3], strict=True)], dtype=np.int32)
+    qkv = mx.random.normal((4, (heads + 2 * kv_heads) * d), key=mx.random.key(80))
+    qkv = qkv.astype(mx.bfloat16)
+    outs, pools = [], []
+    for fused in (False, True):
+        monkeypatch.setattr(cuda, "ROPE_IN_ATTENTION", fused)
+        kpool, vpool = mx.array(kblocks.reshape(-1, d)), mx.array(vblocks.reshape(-1, d))
+        mx.eval(kpool, vpool)  # own copies: the kernels write them in place
+        out = cuda.rope_attention(qkv, rope.cos, rope.sin, mx.array(writes), kpool, vpool,
+                                  tables, mx.array(slots, dtype=mx.int32),
+                                  mx.array(positions, dtype=mx.int32), d**-0.5, heads,
+                                  kv_heads, d, one_row_per_slot=True)
+        mx.eval(out)
+        outs.append(out)
+        pools.append((kpool, vpool))
+    assert mx.array_equal(outs[0], outs[1]).item()
+    assert mx.array_equal(pools[0][0], pools[1][0]).item()
+    assert mx.array_equal(pools[0][1], pools[1][1]).item()
+    # the new K/V did go in: the pool rows written differ from the keys they replaced
+    rows = mx.array(writes.reshape(-1))
+    assert not mx.array_equal(pools[1][0][rows], kblocks.reshape(-1, d)[rows]).item()

@@ -46,6 +46,15 @@ _COMMON = r"""
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
+
+// rotate-half RoPE of the pair (x1, x2) = (x[d], x[d + half]) with table entries c[0],
+// c[half], s[0], s[half] (explicit roundings: every kernel that rotates gives the same bits)
+template <typename C>
+__device__ __forceinline__ void rope_rotate(float x1, float x2, const C* c, const C* s,
+                                            int half, float& o1, float& o2) {
+  o1 = __fmaf_rn(x1, static_cast<float>(c[0]), -__fmul_rn(x2, static_cast<float>(s[0])));
+  o2 = __fmaf_rn(x2, static_cast<float>(c[half]), __fmul_rn(x1, static_cast<float>(s[half])));
+}
 """
 
 # copies global -> shared for the kernels that stage their loads (the 4-bit matmul, attention)
@@ -337,6 +346,55 @@ _Q4_SOURCE = r"""
 
 _ATTENTION_HEADER = _ASYNC
 
+# the attention's query: read from q, or (rope_attention) made from the row's QKV
+# projection, with the new K/V of the block's kv head written and patched in (see there)
+_Q_READ = r"""
+  for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = static_cast<float>(q[base + i]);
+"""
+_Q_ROPE = r"""
+  // q rotated and rounded as rope_write stores it; thread d < D: dimension d of this kv
+  // head's new key (rotated) and value, written into the pool row write_rows gives (rows
+  // past write_rows: padding, no write) and kept to patch the staged copy of position pos
+  const int W = (HQ + 2 * HKV) * D;
+  const int p0 = row_pos[r];
+  const T* qr = qkv + (size_t)r * W;
+  const T* ct = cos_t + (size_t)p0 * D;
+  const T* st = sin_t + (size_t)p0 * D;
+  for (int i = tid; i < G * D / 2; i += 128) {
+    const int gg = i / (D / 2), d = i % (D / 2);
+    const T* src = qr + (size_t)(h * G + gg) * D;
+    float o1, o2;
+    rope_rotate(static_cast<float>(src[d]), static_cast<float>(src[d + D / 2]), ct + d, st + d,
+                D / 2, o1, o2);
+    qs[gg][d] = static_cast<float>(static_cast<T>(o1));
+    qs[gg][d + D / 2] = static_cast<float>(static_cast<T>(o2));
+  }
+  const bool writes = r < write_rows_shape[0];
+  T newk = static_cast<T>(0.0f), newv = static_cast<T>(0.0f);
+  if (tid < D) {
+    const int d = tid % (D / 2);
+    const T* ks = qr + (size_t)(HQ + h) * D;
+    float o1, o2;
+    rope_rotate(static_cast<float>(ks[d]), static_cast<float>(ks[d + D / 2]), ct + d, st + d,
+                D / 2, o1, o2);
+    newk = static_cast<T>(tid < D / 2 ? o1 : o2);
+    newv = qr[(size_t)(HQ + HKV + h) * D + tid];
+    if (writes) {
+      const size_t dst = (size_t)write_rows[(size_t)r * HKV + h] * D + tid;
+      const_cast<T*>(kpool)[dst] = newk;
+      const_cast<T*>(vpool)[dst] = newv;
+    }
+  }
+"""
+# the staged copy of the new position, patched from registers: the copies read the pool
+# through L2 and may not see this block's own writes of it
+_PATCH_ROPE = r"""
+      if (jb == pos / 128 && tid < D && writes) {
+        reinterpret_cast<T*>(staged)[(pos % 128) * KW * 8 + tid] = newk;
+        reinterpret_cast<T*>(staged + 128 * KW)[(pos % 128) * D + tid] = newv;
+      }
+"""
+
 # One block (128 threads) per (row, kv head); q [R, Hq*D], pools [blocks*128, D],
 # tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e].
 _ATTENTION_SOURCE = r"""
@@ -357,7 +415,7 @@ _ATTENTION_SOURCE = r"""
     return;
   }
   const float scale = params[0];
-  for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = static_cast<float>(q[base + i]);
+@Q@
   __syncthreads();
   const int pos = row_pos[r];
   const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
@@ -385,6 +443,7 @@ _ATTENTION_SOURCE = r"""
       for (int e = tid; e < n * (D / 8); e += 128) cp_async16(&staged[128 * KW + e], vg + e);
       cp_async_commit();
       cp_async_wait<0>();
+@PATCH@
       __syncthreads();
     }
     float s[G];
@@ -531,15 +590,12 @@ _ROPE_SOURCE = r"""
     vp[dst + d + half] = qkv[src + d + half];
     return;
   }
-  const float x1 = static_cast<float>(qkv[src + d]);
-  const float x2 = static_cast<float>(qkv[src + d + half]);
   const int p = positions[r];
-  const float c1 = static_cast<float>(cos_t[(size_t)p * D + d]);
-  const float c2 = static_cast<float>(cos_t[(size_t)p * D + d + half]);
-  const float s1 = static_cast<float>(sin_t[(size_t)p * D + d]);
-  const float s2 = static_cast<float>(sin_t[(size_t)p * D + d + half]);
-  const T o1 = static_cast<T>(x1 * c1 - x2 * s1);
-  const T o2 = static_cast<T>(x2 * c2 + x1 * s2);
+  float r1, r2;
+  rope_rotate(static_cast<float>(qkv[src + d]), static_cast<float>(qkv[src + d + half]),
+              cos_t + (size_t)p * D + d, sin_t + (size_t)p * D + d, half, r1, r2);
+  const T o1 = static_cast<T>(r1);
+  const T o2 = static_cast<T>(r2);
   if (hd < HQ) {
     const size_t dst = ((size_t)r * HQ + hd) * D;
     q[dst + d] = o1;
@@ -581,7 +637,10 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     sources = {
         "q4_matmul": (["x", "wp", "sp", "res"], ["y"], _Q4_SOURCE, _Q4_HEADER),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
-                            ["out"], _ATTENTION_SOURCE, _ATTENTION_HEADER),
+                            ["out"], _attention_source(_Q_READ, ""), _ATTENTION_HEADER),
+        "rope_attention": (["qkv", "kpool", "vpool", "tables", "row_table", "row_pos", "params",
+                            "cos_t", "sin_t", "write_rows"],
+                           ["out"], _attention_source(_Q_ROPE, _PATCH_ROPE), _ATTENTION_HEADER),
         "rope_write": (["qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool", "vpool"],
                        ["q"], _ROPE_SOURCE, ""),
         "swiglu": (["gate_up"], ["out"], _SWIGLU_SOURCE, ""),
@@ -590,6 +649,13 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     return mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=inputs,
                                output_names=outputs, source=_compact(body),
                                header=_compact(_COMMON + header), shared_memory=shared_memory)
+
+
+def _attention_source(query: str, patch: str) -> str:
+    """The attention kernel's body with its query made by `query` and `patch` run on each
+    staged key block."""
+    return (_ATTENTION_SOURCE.replace("@Q@", query.strip("\n"))
+            .replace("@PATCH@\n", patch.lstrip("\n")))
 
 
 def _compact(source: str) -> str:
@@ -734,6 +800,9 @@ def attention_supported(dtype: mx.Dtype, head_dim: int) -> bool:
 # in launches of up to this many blocks (rows x kv heads): one wave on the H200's 132 SMs;
 # larger launches read in place and keep more blocks resident. The same bits either way.
 STAGED_BLOCKS = 256
+# rope_attention's one-launch path (RoPE, the K/V write and attention in one kernel): read at
+# each call, so a benchmark can compare (the same bits either way)
+ROPE_IN_ATTENTION = True
 
 
 def _staged_bytes(head_dim: int) -> int:
@@ -767,6 +836,39 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
         output_dtypes=[mx.bfloat16],
     )
     return out.reshape(q.shape)
+
+
+def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.array,
+                   kpool: mx.array, vpool: mx.array, tables: mx.array, row_table: mx.array,
+                   row_pos: mx.array, scale: float, heads: int, kv_heads: int, head_dim: int,
+                   one_row_per_slot: bool, window: int | None = None) -> mx.array:
+    """paged_attention(rope_write(qkv, ...), ...): attention [R, heads * D] of fused QKV rows,
+    their K/V written into the pool in place (see rope_write; row_pos are the rows'
+    positions).
+
+    One launch where the attention launch is staged and each slot has one row (a decode
+    step): each block then owns its kv head's new K/V, so it rotates q and k itself, writes
+    K/V and patches its staged copy of them; no block reads another's new keys. Otherwise
+    rope_write and paged_attention, two launches. The same bits either way (the same
+    rotation, rounded to bf16 as rope_write stores it).
+    """
+    r = qkv.shape[0]
+    if not (ROPE_IN_ATTENTION and one_row_per_slot and r * kv_heads <= STAGED_BLOCKS):
+        q = rope_write(qkv, cos, sin, row_pos, write_rows, kpool, vpool, heads, kv_heads,
+                       head_dim)
+        return paged_attention(q, kpool, vpool, tables, row_table, row_pos, scale, window)
+    assert write_rows.shape[0] <= r and write_rows.shape[1] == kv_heads, "pool rows per row"
+    (out,) = _kernel("rope_attention", _staged_bytes(head_dim))(
+        inputs=[qkv, kpool, vpool, tables, row_table, row_pos, _attention_params(scale), cos,
+                sin, write_rows],
+        template=[("T", kpool.dtype), ("G", heads // kv_heads), ("D", head_dim),
+                  ("WINDOW", window or 0), ("STAGED", True)],
+        grid=(r * kv_heads * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(r, heads * head_dim)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return out
 
 
 def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:

@@ -166,6 +166,12 @@ class Batch:
         return sum(s.length for s in self.segments)
 
     @property
+    def one_row_per_slot(self) -> bool:
+        """Every slot has one row this step (a decode step): no row reads another row's new
+        K/V in the same step."""
+        return all(s.length == 1 for s in self.segments)
+
+    @property
     def padded_rows(self) -> int:
         return self.positions.shape[0]
 

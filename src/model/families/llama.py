@@ -22,8 +22,9 @@ from slotserve.model.weights import Tensor
 
 class Attention:
     # Runs as one native block on the CPU (QKV, RoPE, K/V write, attention) when it can,
-    # and splits + rotates q/k and writes K/V in one CUDA kernel on the GPU; subclasses that
-    # change q/k between projection and RoPE (Qwen3's norms) opt out.
+    # and rotates q/k, writes K/V and attends in one or two CUDA kernels on the GPU
+    # (cuda.rope_attention); subclasses that change q/k between projection and RoPE (Qwen3's
+    # norms) opt out.
     native_block = True
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
@@ -64,12 +65,12 @@ class Attention:
         if self.native_block and batch.cuda is not None and rope is not None:
             pool = batch.pool
             assert pool is not None and batch.write_rows is not None
-            q = cuda.rope_write(self.qkv(x), rope.cos, rope.sin, batch.positions,
-                                batch.write_rows, pool.keys[layer], pool.values[layer],
-                                self.heads, self.kv_heads, self.head_dim)
-            batch.effects.append(q)  # its K/V writes must run even if no logits are asked
-            return self.o(cuda.paged_attention(q, pool.keys[layer], pool.values[layer],
-                                               *batch.cuda, self.scale), residual)
+            out = cuda.rope_attention(self.qkv(x), rope.cos, rope.sin, batch.write_rows,
+                                      pool.keys[layer], pool.values[layer], *batch.cuda,
+                                      self.scale, self.heads, self.kv_heads, self.head_dim,
+                                      batch.one_row_per_slot)
+            batch.effects.append(out)  # its K/V writes must run even if no logits are asked
+            return self.o(out, residual)
         q, k, v = self.split_heads(x)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
