@@ -387,11 +387,15 @@ _Q_ROPE = r"""
   }
 """
 # the staged copy of the new position, patched from registers: the copies read the pool
-# through L2 and may not see this block's own writes of it
+# through L2 and may not see this block's own writes of it. A thread's wait covers only
+# its own copies, and other threads copied that row: all of them wait first.
 _PATCH_ROPE = r"""
-      if (jb == pos / 128 && tid < D && writes) {
-        reinterpret_cast<T*>(staged)[(pos % 128) * KW * 8 + tid] = newk;
-        reinterpret_cast<T*>(staged + 128 * KW)[(pos % 128) * D + tid] = newv;
+      if (jb == pos / 128) {  // the same for every thread of the block
+        __syncthreads();
+        if (tid < D && writes) {
+          reinterpret_cast<T*>(staged)[(pos % 128) * KW * 8 + tid] = newk;
+          reinterpret_cast<T*>(staged + 128 * KW)[(pos % 128) * D + tid] = newv;
+        }
       }
 """
 
