@@ -177,12 +177,7 @@ def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
 def test_rope_attention_gives_rope_write_and_attentions_bits(
         heads: int, kv_heads: int, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
     cap = 3 * BLOCK
-    keys = [mx.random.normal((kv_heads, cap, d), key=mx.random.key(60 + i)).astype(mx.bfloat16)
-            for i in range(3)]
-    values = [mx.random.normal((kv_heads, cap, d), key=mx.random.key(70 + i)).astype(mx.bfloat16)
-              for i in range(3)]
-    kblocks, tables = paged_blocks(keys)
-    vblocks, _ = paged_blocks(values)
+    _, _, kflat, vflat, tables = _paged_kv(3, kv_heads, cap, d, 60, 70)
     rope = Rope(d, 10000.0, None, mx.bfloat16)
     rope.reserve(cap)
     # a decode step: one row per slot (at a block's first position, mid-block, the last
@@ -197,7 +192,7 @@ def test_rope_attention_gives_rope_write_and_attentions_bits(
     outs, pools = [], []
     for fused in (False, True):
         monkeypatch.setattr(cuda, "ROPE_IN_ATTENTION", fused)
-        kpool, vpool = mx.array(kblocks.reshape(-1, d)), mx.array(vblocks.reshape(-1, d))
+        kpool, vpool = mx.array(kflat), mx.array(vflat)
         mx.eval(kpool, vpool)  # own copies: the kernels write them in place
         out = cuda.rope_attention(qkv, rope.cos, rope.sin, mx.array(writes), kpool, vpool,
                                   tables, mx.array(slots, dtype=mx.int32),
@@ -211,4 +206,4 @@ def test_rope_attention_gives_rope_write_and_attentions_bits(
     assert mx.array_equal(pools[0][1], pools[1][1]).item()
     # the new K/V did go in: the pool rows written differ from the keys they replaced
     rows = mx.array(writes.reshape(-1))
-    assert not mx.array_equal(pools[1][0][rows], kblocks.reshape(-1, d)[rows]).item()
+    assert not mx.array_equal(pools[1][0][rows], kflat[rows]).item()
