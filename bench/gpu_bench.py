@@ -635,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
     p.add_argument("--ab-switch", default="RESIDUAL_EPILOGUE",
-                   choices=["RESIDUAL_EPILOGUE", "ROPE_IN_ATTENTION"],
+                   choices=["RESIDUAL_EPILOGUE", "ROPE_IN_ATTENTION", "NORM_IN_MATMUL"],
                    help="the slotserve.kernels.cuda switch to sweep off/on/on/off")
     p.add_argument("--ab-streams", default="1,8,64",
                    help="stream counts of that side-by-side ('' skips it)")

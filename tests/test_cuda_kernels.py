@@ -155,6 +155,41 @@ def test_q4_matmul_residual_gives_the_adds_bits() -> None:
         assert mx.array_equal(got, want).item(), m
 
 
+@pytest.mark.parametrize("k", [4096, 1024, 256])  # 8, 8 and 2 warps over K
+def test_rms_rows_matches_mlx_and_does_not_depend_on_row_count(k: int) -> None:
+    x = (mx.random.normal((70, k), key=mx.random.key(20)) * 3).astype(mx.bfloat16)
+    w = (1 + 0.1 * mx.random.normal((k,), key=mx.random.key(21))).astype(mx.bfloat16)
+    full = cuda.rms_rows(x, w, 1e-5)
+    want = mx.fast.rms_norm(x, w, 1e-5).astype(mx.float32)
+    np.testing.assert_allclose(np.asarray(full.astype(mx.float32)), np.asarray(want),
+                               rtol=2e-2, atol=2e-2)
+    for m in (1, 2, 5, 33):
+        assert mx.array_equal(cuda.rms_rows(x[:m], w, 1e-5), full[:m]).item(), m
+        assert mx.array_equal(cuda.rms_rows(x[m : m + 1], w, 1e-5)[0], full[m]).item(), m
+
+
+@pytest.mark.parametrize(("n_out", "k"), [(512, 4096), (256, 1024), (48, 256)])
+def test_q4_matmul_norm_gives_rms_rows_bits(n_out: int, k: int) -> None:
+    packed, _ = _q4(n_out, k, 22)
+    w = mx.random.normal((2 * n_out, k), key=mx.random.key(23)) * k**-0.5
+    q, s, b = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
+    order = cuda.paired_rows(n_out)
+    gate_up = cuda.q4_pack(q[order], s[order], b[order])
+    x = (mx.random.normal((70, k), key=mx.random.key(24)) * 3).astype(mx.bfloat16)
+    res = mx.random.normal((70, n_out), key=mx.random.key(25)).astype(mx.bfloat16)
+    nw = (1 + 0.1 * mx.random.normal((k,), key=mx.random.key(26))).astype(mx.bfloat16)
+    norm = (nw, 1e-5)
+    for m in (1, 2, 3, 4, 5, 17, 70):  # in the launch up to NORM_ROWS rows, then rms_rows
+        xn = cuda.rms_rows(x[:m], *norm)
+        cases = [(cuda.q4_matmul(x[:m], *packed, norm=norm), cuda.q4_matmul(xn, *packed)),
+                 (cuda.q4_matmul(x[:m], *packed, residual=res[:m], norm=norm),
+                  cuda.q4_matmul(xn, *packed, residual=res[:m])),
+                 (cuda.q4_matmul(x[:m], *gate_up, gate_up=True, norm=norm),
+                  cuda.q4_matmul(xn, *gate_up, gate_up=True))]
+        for i, (got, want) in enumerate(cases):
+            assert mx.array_equal(got, want).item(), (m, i)
+
+
 @pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 128, None), (3, 64, 100)])
 def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
                                                     window: int | None,

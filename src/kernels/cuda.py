@@ -38,6 +38,10 @@ BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
 # the residual add in the 4-bit matmul's epilogue (q4_matmul(residual=...)); read at each
 # call, so a benchmark can compare (the same bits either way)
 RESIDUAL_EPILOGUE = True
+# the RMS norm in the 4-bit matmul's prologue (q4_matmul(norm=...)) for launches of up to
+# NORM_ROWS rows; read at each call, so a benchmark can compare (the same bits either way)
+NORM_IN_MATMUL = True
+NORM_ROWS = 4
 
 # helpers every kernel may use
 _COMMON = r"""
@@ -71,8 +75,61 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 """
 
+# RMS norm of one row by a whole block (the standalone rms_rows kernel and the 4-bit
+# matmul's NORM prologue)
+_NORM = r"""
+// y = bf16((x * r) * w), r = 1 / sqrt(mean(x^2) + eps), for one row of K (K % 8 == 0), by
+// the whole block: thread p sums the squares of 8-element pieces p, p + blockDim, .. in
+// order, then a fixed tree (shuffles in each warp, the warps in order). Every launch of it
+// has 32 * _k_split(K) threads, so the standalone kernel and the matmul's prologue agree
+// bit for bit. y may be global or shared memory.
+__device__ __forceinline__ void norm_row(const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                         int K, float eps, __nv_bfloat16* y) {
+  __shared__ float part[32];
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float s = 0.0f;
+  for (int e = tid; e < K / 8; e += nthreads) {
+    const uint4 v = xv[e];
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float a = bf_lo(u[i]), b = bf_hi(u[i]);
+      s = __fmaf_rn(a, a, s);
+      s = __fmaf_rn(b, b, s);
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+  if ((tid & 31) == 0) part[tid >> 5] = s;
+  __syncthreads();
+  float ss = part[0];
+  for (int k = 1; k < nthreads / 32; ++k) ss = __fadd_rn(ss, part[k]);
+  const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(K)), eps));
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  uint4* yv = reinterpret_cast<uint4*>(y);
+  for (int e = tid; e < K / 8; e += nthreads) {
+    const uint4 v = xv[e], g = wv[e];
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w}, gw[4] = {g.x, g.y, g.z, g.w};
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(bf_lo(u[i]), r), bf_lo(gw[i])),
+                                               __fmul_rn(__fmul_rn(bf_hi(u[i]), r), bf_hi(gw[i])));
+      o[i] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    yv[e] = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+  __syncthreads();  // y complete for the whole block; part free again
+}
+"""
+
+_RMS_ROWS_SOURCE = r"""
+  const int K = x_shape[1];
+  norm_row(x + (size_t)blockIdx.x * K, w, K, __int_as_float(EPS), y + (size_t)blockIdx.x * K);
+"""
+
 # the 4-bit matmul's helpers
-_Q4_HEADER = _ASYNC + r"""
+_Q4_HEADER = _ASYNC + _NORM + r"""
 
 // two 4-bit codes as two exact bf16 values: q4_pack stores each word's codes interleaved
 // (nibbles c0 c2 c4 c6 c1 c3 c5 c7), so pair j = (c_2j, c_2j+1) sits at bits 4j and 4j+16
@@ -119,11 +176,18 @@ __device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t* b
   }
 }
 
-// one 32-bit global load, kept apart: merged vector loads put a fragment's words in
-// registers the mma cannot take as they are, and the compiler then moves them for every mma
-__device__ __forceinline__ uint32_t ldg32(const void* p) {
+// one 32-bit load (global, or shared when SHARED), kept apart: merged vector loads put a
+// fragment's words in registers the mma cannot take as they are, and the compiler then
+// moves them for every mma
+template <bool SHARED>
+__device__ __forceinline__ uint32_t ld32(const void* p) {
   uint32_t v;
-  asm("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  if (SHARED) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(a));
+  } else {
+    asm("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  }
   return v;
 }
 
@@ -133,8 +197,8 @@ __device__ __forceinline__ uint32_t ldg32(const void* p) {
 // loaded into the registers the mma reads (from 16-byte loads the compiler moved 4 registers
 // for every mma: 22 % of a 1-row launch's instructions, ncu run AH2); else two 16-byte loads
 // per row (split loads cost a launch of two row tiles 130 registers instead of 128, half its
-// occupancy). The same values either way.
-template <bool SPLIT>
+// occupancy). The same values either way. SHARED (with SPLIT): x is in shared memory.
+template <bool SPLIT, bool SHARED>
 __device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, int row, int gi,
                                         int t, uint32_t (*a)[4]) {
   if (SPLIT) {
@@ -143,13 +207,19 @@ __device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, in
     if (row < M) {
       const uint32_t* p = reinterpret_cast<const uint32_t*>(x + (size_t)row * K + gi * 64 + 16 * t);
 #pragma unroll
-      for (int s = 0; s < 4; ++s) { a[s][0] = ldg32(p + 2 * s); a[s][2] = ldg32(p + 2 * s + 1); }
+      for (int s = 0; s < 4; ++s) {
+        a[s][0] = ld32<SHARED>(p + 2 * s);
+        a[s][2] = ld32<SHARED>(p + 2 * s + 1);
+      }
     }
     if (row + 8 < M) {
       const uint32_t* p =
           reinterpret_cast<const uint32_t*>(x + (size_t)(row + 8) * K + gi * 64 + 16 * t);
 #pragma unroll
-      for (int s = 0; s < 4; ++s) { a[s][1] = ldg32(p + 2 * s); a[s][3] = ldg32(p + 2 * s + 1); }
+      for (int s = 0; s < 4; ++s) {
+        a[s][1] = ld32<SHARED>(p + 2 * s);
+        a[s][3] = ld32<SHARED>(p + 2 * s + 1);
+      }
     }
     return;
   }
@@ -261,6 +331,16 @@ _Q4_SOURCE = r"""
   };
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) issue(i);
+  // NORM (launches of one row tile): x is the raw residual stream; its rows are normalized
+  // (norm_row, as rms_rows does) into shared memory after the rings, while the rings fill
+  const __nv_bfloat16* xin = x;
+  if (NORM) {
+    constexpr int RING = KSPLIT * STAGES * NT * 36, RED = KSPLIT * NT * 32;  // in uint4
+    __nv_bfloat16* xn = reinterpret_cast<__nv_bfloat16*>(smem + (RING > RED ? RING : RED));
+    for (int m = 0; m < M; ++m)
+      norm_row(x + (size_t)m * K, nw, K, __int_as_float(EPS), xn + (size_t)m * K);
+    xin = xn;
+  }
 #pragma unroll 1
   for (int i = 0; i < per_warp; ++i) {
     const int ch = c0 + i, slot = i % STAGES;
@@ -285,7 +365,7 @@ _Q4_SOURCE = r"""
         if (mt >= mt_live) break;
         uint32_t xa[4][4];
         float xs0, xs1;
-        fetch_x<MT == 1>(x, M, K, m_base + mt * 16 + g, gi, t, xa);  // (see fetch_x)
+        fetch_x<MT == 1, NORM>(xin, M, K, m_base + mt * 16 + g, gi, t, xa);  // (see fetch_x)
         row_sums(xa, xs0, xs1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -639,7 +719,8 @@ def _kernel(name: str, shared_memory: int = 0) -> Any:
     """The kernel object; one per dynamic shared-memory size (MLX fixes it per object, and
     every template instantiation of q4_matmul always asks for the same size)."""
     sources = {
-        "q4_matmul": (["x", "wp", "sp", "res"], ["y"], _Q4_SOURCE, _Q4_HEADER),
+        "q4_matmul": (["x", "wp", "sp", "res", "nw"], ["y"], _Q4_SOURCE, _Q4_HEADER),
+        "rms_rows": (["x", "w"], ["y"], _RMS_ROWS_SOURCE, _NORM),
         "paged_attention": (["q", "kpool", "vpool", "tables", "row_table", "row_pos", "params"],
                             ["out"], _attention_source(_Q_READ, ""), _ATTENTION_HEADER),
         "rope_attention": (["qkv", "kpool", "vpool", "tables", "row_table", "row_pos", "params",
@@ -746,15 +827,17 @@ def _launch(m: int, n: int) -> tuple[int, int, int]:
 
 
 def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
-              residual: mx.array | None = None, nt: int | None = None,
-              ksplit: int | None = None, stages: int | None = None,
+              residual: mx.array | None = None, norm: tuple[mx.array, float] | None = None,
+              nt: int | None = None, ksplit: int | None = None, stages: int | None = None,
               mt: int | None = None) -> mx.array:
     """x [M, K] bf16 times 4-bit weights packed by q4_pack -> [M, N] bf16.
 
     gate_up: the weights are a [gate; up] pair in paired_rows order; the result is
     silu(gate) * up [M, N/2], the same bits as swiglu() of the plain product (in one launch
     where the launch has one row tile). residual [M, N] bf16: the result is product +
-    residual, the same bits as the two ops, in one launch.
+    residual, the same bits as the two ops, in one launch. norm (weight [K], eps): x is
+    RMS-normalized first, rms_rows(x, *norm): in the launch's prologue for up to NORM_ROWS
+    rows, else by rms_rows' own launch (the same bits).
     mt (row tiles per block), nt (column tiles per block) and stages (ring depth) change
     only the speed, never the bits; ksplit changes the summation order
     and is for the micro-benchmark only (the engine keeps the one derived from K, which is
@@ -765,6 +848,9 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     ksplit = ksplit or _k_split(k // 128)
     rule = _launch(m, n)
     mt, nt, stages = mt or rule[0], nt or rule[1], stages or rule[2]
+    in_launch = norm is not None and NORM_IN_MATMUL and mt == 1 and m <= NORM_ROWS
+    if norm is not None and not in_launch:
+        x = rms_rows(x, *norm)
     # the swiglu epilogue costs a block of 2 row tiles registers enough to halve its
     # occupancy (nvcc 13, sm_90a: 128 -> 130): single-row-tile launches only; the residual
     # epilogue costs none (128)
@@ -772,10 +858,16 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     add = residual is not None and RESIDUAL_EPILOGUE
     assert not fused or nt % 2 == 0, "a block holds whole (gate, up) tile pairs"
     x = x.astype(mx.bfloat16)
-    (y,) = _kernel("q4_matmul", _shared_bytes(nt, ksplit, stages))(
-        inputs=[x, wp, sp, residual if add else x],
+    smem = _shared_bytes(nt, ksplit, stages) + (m * k * 2 if in_launch else 0)
+    (y,) = _kernel("q4_matmul", smem)(
+        inputs=[x, wp, sp, residual if add else x, norm[0] if in_launch and norm else x],
         template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("STAGES", stages),
-                  ("SWIGLU", fused), ("RESID", add)],
+                  ("SWIGLU", fused), ("RESID", add), ("NORM", in_launch),
+                  # the row count in the name of a NORM launch: its shared memory grows with
+                  # the rows, and MLX sets a kernel's shared-memory limit once, at its first
+                  # launch
+                  ("ROWS", m if in_launch else 0),
+                  ("EPS", _float_bits(norm[1]) if in_launch and norm else 0)],
         grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n // 2 if fused else n)],
@@ -784,6 +876,27 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     if gate_up and not fused:
         y = swiglu(y, paired=True)
     return y + residual if residual is not None and not add else y
+
+
+def rms_rows(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    """RMS norm of each row of x [M, K] (K % 128 == 0) with weight w [K], bf16: the bits
+    q4_matmul(norm=(w, eps)) multiplies (a fixed summation order whatever M)."""
+    m, k = x.shape
+    threads = 32 * _k_split(k // 128)  # as q4_matmul's launches over K (see norm_row)
+    (y,) = _kernel("rms_rows")(
+        inputs=[x.astype(mx.bfloat16), w.astype(mx.bfloat16)],
+        template=[("EPS", _float_bits(eps))],
+        grid=(m * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(m, k)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return y
+
+
+def _float_bits(v: float) -> int:
+    """A float32's bits as an int template argument (the kernel takes __int_as_float)."""
+    return int(np.array(v, dtype=np.float32).view(np.int32))
 
 
 def paired_rows(inter: int) -> mx.array:

@@ -252,10 +252,15 @@ class Linear:
             dense = [d.astype(compute_dtype) for d in dense]
         return Linear(mx.concatenate(dense), compute_dtype, False, pack)
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
-        """x W^T, plus `residual` when given (in the CUDA kernel's launch where it can)."""
+    def __call__(self, x: mx.array, residual: mx.array | None = None,
+                 norm: RMSNorm | None = None) -> mx.array:
+        """norm(x) W^T (x W^T without a norm), plus `residual` when given; the CUDA 4-bit
+        kernel does the norm and the add in its own launch where it can."""
         if self.q4 is not None:
-            return cuda.q4_matmul(x, *self.q4, residual=residual)
+            return cuda.q4_matmul(x, *self.q4, residual=residual,
+                                  norm=None if norm is None else (norm.weight, norm.eps))
+        if norm is not None:
+            x = norm(x)
         if self.kernel is not None:
             y = self.kernel(x)
         elif self.q is not None:
@@ -426,6 +431,19 @@ def cuda_attention_for(pool: KVPool) -> bool:
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, weight, eps)
+
+
+@dataclass(frozen=True)
+class RMSNorm:
+    """An RMS norm handed to the layer that consumes its output (Linear, the MLP,
+    Attention): on the GPU the 4-bit matmul normalizes its own input rows
+    (cuda.q4_matmul(norm=...)), elsewhere it is rms_norm first."""
+
+    weight: mx.array
+    eps: float
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
 
 
 def pad_rows(x: mx.array) -> mx.array:

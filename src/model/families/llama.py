@@ -11,11 +11,11 @@ from slotserve.model.layers import (
     Batch,
     Embedding,
     Linear,
+    RMSNorm,
     Rope,
     attend,
     pad_rows,
     plus,
-    rms_norm,
 )
 from slotserve.model.weights import Tensor
 
@@ -48,13 +48,15 @@ class Attention:
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
                  sin: mx.array, rope: Rope | None = None,
-                 residual: mx.array | None = None) -> mx.array:
-        """The attention output, plus `residual` when given (the block's residual stream:
-        the CUDA path adds it in the output projection's launch)."""
+                 residual: mx.array | None = None, norm: RMSNorm | None = None) -> mx.array:
+        """The attention output for norm(x) (x when no norm is given), plus `residual` when
+        given (the block's residual stream: the CUDA path normalizes in the QKV projection's
+        launch and adds it in the output projection's)."""
         lib = native.library()
         if (self.native_block and batch.native is not None and rope is not None
                 and lib is not None and self.qkv.kernel is not None
                 and self.o.kernel is not None):
+            x = x if norm is None else norm(x)
             pool = batch.pool
             assert pool is not None
             out = cpu_attention.attention_block(
@@ -65,13 +67,13 @@ class Attention:
         if self.native_block and batch.cuda is not None and rope is not None:
             pool = batch.pool
             assert pool is not None and batch.write_rows is not None
-            out = cuda.rope_attention(self.qkv(x), rope.cos, rope.sin, batch.write_rows,
+            out = cuda.rope_attention(self.qkv(x, norm=norm), rope.cos, rope.sin, batch.write_rows,
                                       pool.keys[layer], pool.values[layer], *batch.cuda,
                                       self.scale, self.heads, self.kv_heads, self.head_dim,
                                       batch.one_row_per_slot)
             batch.effects.append(out)  # its K/V writes must run even if no logits are asked
             return self.o(out, residual)
-        q, k, v = self.split_heads(x)
+        q, k, v = self.split_heads(x if norm is None else norm(x))
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
         return self.o(out.reshape(out.shape[0], -1), residual)
@@ -92,16 +94,21 @@ class MLP:
         self.down = Linear(w[f"{p}.down_proj.weight"], dtype, quant)
         self.cuda = cuda.enabled()  # the model is built on the device it will run on
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
-        """The MLP's output, plus `residual` when given (added in the down projection)."""
+    def __call__(self, x: mx.array, residual: mx.array | None = None,
+                 norm: RMSNorm | None = None) -> mx.array:
+        """The MLP's output for norm(x) (x when no norm is given), plus `residual` when given
+        (on the GPU the norm runs in the gate+up launch, the add in the down projection's)."""
         lib = native.library()
         if lib is not None and self.gate_up.kernel is not None and self.down.kernel is not None:
+            x = x if norm is None else norm(x)
             return plus(cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x),
                         residual)
         if self.paired:
             assert self.gate_up.q4 is not None
-            return self.down(cuda.q4_matmul(x, *self.gate_up.q4, gate_up=True), residual)
-        gu = self.gate_up(x)
+            return self.down(cuda.q4_matmul(
+                x, *self.gate_up.q4, gate_up=True,
+                norm=None if norm is None else (norm.weight, norm.eps)), residual)
+        gu = self.gate_up(x, norm=norm)
         if self.cuda:
             return self.down(cuda.swiglu(gu), residual)
         g, u = gu[:, : self.inter], gu[:, self.inter :]
@@ -120,9 +127,9 @@ class Block:
 
     def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
                  sin: mx.array, rope: Rope | None = None) -> mx.array:
-        h = self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin, rope,
-                      residual=x)
-        return self.mlp(rms_norm(h, self.post_norm, self.eps), residual=h)
+        h = self.attn(x, batch, layer, cos, sin, rope, residual=x,
+                      norm=RMSNorm(self.in_norm, self.eps))
+        return self.mlp(h, residual=h, norm=RMSNorm(self.post_norm, self.eps))
 
 
 class Model:
@@ -164,5 +171,5 @@ class Model:
         if not logit_rows:
             return None
         x = x[mx.array(logit_rows, dtype=mx.int32)]
-        x = rms_norm(pad_rows(x), self.norm, self.config.rms_norm_eps)
-        return self.lm_head(x)[: len(logit_rows)].astype(mx.float32)
+        norm = RMSNorm(self.norm, self.config.rms_norm_eps)
+        return self.lm_head(pad_rows(x), norm=norm)[: len(logit_rows)].astype(mx.float32)
