@@ -77,7 +77,8 @@ def profile(model_path: str, rows: list[int], ctx: int) -> None:
 # swept an x prefetch (all row tiles' x loads issued together): slower at every shape
 # (158 registers, one block per SM), so it was removed (docs/benchmarks.md, sixth session).
 LAUNCH_SWEEP: dict[int, list[tuple[int, int, int]]] = {
-    1: [(1, 2, 4), (1, 2, 8), (1, 4, 2), (1, 4, 4), (1, 8, 2), (1, 8, 3)],
+    1: [(1, 1, 8), (1, 2, 4), (1, 2, 8), (1, 2, 16), (1, 4, 2), (1, 4, 4), (1, 4, 8), (1, 8, 2),
+        (1, 8, 3)],
     32: [(1, 4, 4), (1, 8, 2), (2, 2, 4), (2, 4, 2), (2, 4, 4), (2, 8, 2)],
     64: [(1, 8, 2), (2, 4, 2), (2, 8, 2), (4, 2, 4), (4, 4, 2)],
     128: [(2, 4, 2), (2, 8, 2), (4, 2, 4), (4, 4, 2), (8, 2, 2)],

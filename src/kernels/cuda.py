@@ -499,33 +499,40 @@ _ATTENTION_SOURCE = r"""
     return;
   }
   const float scale = params[0];
-@Q@
-  __syncthreads();
   const int pos = row_pos[r];
   const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
-  float run_max[G], run_sum[G], acc[G];
-#pragma unroll
-  for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   const int* table = tables + (size_t)tb * nbmax * HKV;
   // STAGED: each key block's K and V copied to shared memory with all its loads in flight
   // at once (cp.async), one memory round trip a block; else read in place, ~6 dependent
   // round trips a block (a one-row launch has one warp per scheduler to hide them)
   constexpr int KW = D / 8 + 1;  // 16-byte words per staged K row (padded: no bank conflicts)
   extern __shared__ uint4 staged[];  // [128][KW] K rows, then [128][D / 8] V rows
+  auto stage = [&](int jb) {  // key block jb's copies, issued (waited for where it is used)
+    const size_t blk = (size_t)table[jb * HKV + h] * 128;
+    const int n = min(128, pos + 1 - jb * 128);  // keys of this block up to pos
+    const uint4* kg = reinterpret_cast<const uint4*>(kpool + blk * D);
+    const uint4* vg = reinterpret_cast<const uint4*>(vpool + blk * D);
+    if (tid < n) {
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) cp_async16(&staged[tid * KW + c], kg + tid * (D / 8) + c);
+    }
+    for (int e = tid; e < n * (D / 8); e += 128) cp_async16(&staged[128 * KW + e], vg + e);
+    cp_async_commit();
+  };
+  // the first key block's copies fly while the query is read (and rotated)
+  if (STAGED) stage(lo / 128);
+@Q@
+  __syncthreads();
+  float run_max[G], run_sum[G], acc[G];
+#pragma unroll
+  for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   for (int jb = lo / 128; jb <= pos / 128; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
     const bool valid = key >= lo && key <= pos;
     const int n = min(128, pos + 1 - jb * 128);  // keys of this block up to pos
     if (STAGED) {
-      const uint4* kg = reinterpret_cast<const uint4*>(kpool + blk * D);
-      const uint4* vg = reinterpret_cast<const uint4*>(vpool + blk * D);
-      if (tid < n) {
-#pragma unroll
-        for (int c = 0; c < D / 8; ++c) cp_async16(&staged[tid * KW + c], kg + tid * (D / 8) + c);
-      }
-      for (int e = tid; e < n * (D / 8); e += 128) cp_async16(&staged[128 * KW + e], vg + e);
-      cp_async_commit();
+      if (jb > lo / 128) stage(jb);  // (the previous block's readers are done: see the end)
       cp_async_wait<0>();
 @PATCH@
       __syncthreads();
