@@ -190,8 +190,7 @@ def test_q4_matmul_norm_gives_rms_rows_bits(n_out: int, k: int) -> None:
             assert mx.array_equal(got, want).item(), (m, i)
 
 
-@pytest.mark.parametrize(("group", "head_dim", "window"),
-                         [(4, 128, None), (2, 128, None), (3, 64, 100)])  # 4, 2, 1 head groups
+@pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 128, None), (3, 64, 100)])
 def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
                                                     window: int | None,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -429,8 +429,7 @@ _ATTENTION_HEADER = _ASYNC
 # the attention's query: read from q, or (rope_attention) made from the row's QKV
 # projection, with the new K/V of the block's kv head written and patched in (see there)
 _Q_READ = r"""
-  for (int i = threadIdx.x; i < G * D; i += 128 * GS)
-    qs[i / D][i % D] = static_cast<float>(q[base + i]);
+  for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = static_cast<float>(q[base + i]);
 """
 _Q_ROPE = r"""
   // q rotated and rounded as rope_write stores it; thread d < D: dimension d of this kv
@@ -441,7 +440,7 @@ _Q_ROPE = r"""
   const T* qr = qkv + (size_t)r * W;
   const T* ct = cos_t + (size_t)p0 * D;
   const T* st = sin_t + (size_t)p0 * D;
-  for (int i = threadIdx.x; i < G * D / 2; i += 128 * GS) {
+  for (int i = tid; i < G * D / 2; i += 128) {
     const int gg = i / (D / 2), d = i % (D / 2);
     const T* src = qr + (size_t)(h * G + gg) * D;
     float o1, o2;
@@ -452,7 +451,7 @@ _Q_ROPE = r"""
   }
   const bool writes = r < write_rows_shape[0];
   T newk = static_cast<T>(0.0f), newv = static_cast<T>(0.0f);
-  if (threadIdx.x < D) {  // thread group 0
+  if (tid < D) {
     const int d = tid % (D / 2);
     const T* ks = qr + (size_t)(HQ + h) * D;
     float o1, o2;
@@ -473,26 +472,21 @@ _Q_ROPE = r"""
 _PATCH_ROPE = r"""
       if (jb == pos / 128) {  // the same for every thread of the block
         __syncthreads();
-        if (threadIdx.x < D && writes) {
+        if (tid < D && writes) {
           reinterpret_cast<T*>(staged)[(pos % 128) * KW * 8 + tid] = newk;
           reinterpret_cast<T*>(staged + 128 * KW)[(pos % 128) * D + tid] = newv;
         }
       }
 """
 
-# One block of 128 * GS threads per (row, kv head): thread group gq (128 threads) attends
-# query heads gq * GL .. gq * GL + GL - 1 of the kv head's GQA group (G = GS * GL). Each
-# head's arithmetic is the same whatever the split, so GS changes the speed, not the bits.
-# q [R, Hq*D], pools [blocks*128, D], tables [S, nbmax, Hkv], row_table / row_pos [R],
-# params [scale * log2 e].
+# One block (128 threads) per (row, kv head); q [R, Hq*D], pools [blocks*128, D],
+# tables [S, nbmax, Hkv], row_table / row_pos [R], params [scale * log2 e].
 _ATTENTION_SOURCE = r"""
   const int HKV = tables_shape[2];
   const int nbmax = tables_shape[1];
   const int HQ = HKV * G;
   const int r = blockIdx.x / HKV, h = blockIdx.x % HKV;
-  constexpr int GL = G / GS;  // query heads a thread group attends
-  const int tid = threadIdx.x & 127, gq = threadIdx.x >> 7;  // thread gq's heads: gq*GL..+GL-1
-  const int lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   __shared__ float qs[G][D];
   __shared__ float ps[G][128];
   __shared__ float part[G][4];
@@ -501,7 +495,7 @@ _ATTENTION_SOURCE = r"""
   const size_t base = ((size_t)r * HQ + (size_t)h * G) * D;
   const int tb = row_table[r];
   if (tb < 0) {
-    for (int i = threadIdx.x; i < G * D; i += 128 * GS) out[base + i] = __float2bfloat16(0.0f);
+    for (int i = tid; i < G * D; i += 128) out[base + i] = __float2bfloat16(0.0f);
     return;
   }
   const float scale = params[0];
@@ -520,20 +514,18 @@ _ATTENTION_SOURCE = r"""
     const uint4* vg = reinterpret_cast<const uint4*>(vpool + blk * D);
     if (tid < n) {
 #pragma unroll
-      for (int c = gq; c < D / 8; c += GS)
-        cp_async16(&staged[tid * KW + c], kg + tid * (D / 8) + c);
+      for (int c = 0; c < D / 8; ++c) cp_async16(&staged[tid * KW + c], kg + tid * (D / 8) + c);
     }
-    for (int e = threadIdx.x; e < n * (D / 8); e += 128 * GS)
-      cp_async16(&staged[128 * KW + e], vg + e);
+    for (int e = tid; e < n * (D / 8); e += 128) cp_async16(&staged[128 * KW + e], vg + e);
     cp_async_commit();
   };
   // the first key block's copies fly while the query is read (and rotated)
   if (STAGED) stage(lo / 128);
 @Q@
   __syncthreads();
-  float run_max[GL], run_sum[GL], acc[GL];
+  float run_max[G], run_sum[G], acc[G];
 #pragma unroll
-  for (int gg = 0; gg < GL; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
+  for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
   for (int jb = lo / 128; jb <= pos / 128; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
@@ -545,9 +537,9 @@ _ATTENTION_SOURCE = r"""
 @PATCH@
       __syncthreads();
     }
-    float s[GL];
+    float s[G];
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) s[gg] = 0.0f;
+    for (int gg = 0; gg < G; ++gg) s[gg] = 0.0f;
     if (valid) {  // the key row in pieces of 8 loads issued together (latency, not order)
       const uint4* krow = STAGED ? staged + tid * KW
                                  : reinterpret_cast<const uint4*>(kpool + (blk + tid) * D);
@@ -565,46 +557,44 @@ _ATTENTION_SOURCE = r"""
           for (int e = 0; e < 4; ++e) {
             const float k0 = bf_lo(kw[e]), k1 = bf_hi(kw[e]);
 #pragma unroll
-            for (int gg = 0; gg < GL; ++gg) {
-              s[gg] = __fmaf_rn(qs[gq * GL + gg][c * 8 + 2 * e], k0, s[gg]);
-              s[gg] = __fmaf_rn(qs[gq * GL + gg][c * 8 + 2 * e + 1], k1, s[gg]);
+            for (int gg = 0; gg < G; ++gg) {
+              s[gg] = __fmaf_rn(qs[gg][c * 8 + 2 * e], k0, s[gg]);
+              s[gg] = __fmaf_rn(qs[gg][c * 8 + 2 * e + 1], k1, s[gg]);
             }
           }
         }
       }
     }
     // block max and the new running max, per query head
-    float m_new[GL], alpha[GL];
+    float m_new[G], alpha[G];
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) {
+    for (int gg = 0; gg < G; ++gg) {
       s[gg] = valid ? s[gg] * scale : neg_inf();
       float m = s[gg];
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      if (lane == 0) part[gq * GL + gg][warp] = m;
+      if (lane == 0) part[gg][warp] = m;
     }
     __syncthreads();
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) {
-      const float* pt = part[gq * GL + gg];
-      const float m = fmaxf(fmaxf(pt[0], pt[1]), fmaxf(pt[2], pt[3]));
+    for (int gg = 0; gg < G; ++gg) {
+      const float m = fmaxf(fmaxf(part[gg][0], part[gg][1]), fmaxf(part[gg][2], part[gg][3]));
       m_new[gg] = fmaxf(run_max[gg], m);
       alpha[gg] = run_max[gg] == neg_inf() ? 0.0f : exp2f(run_max[gg] - m_new[gg]);
       const float p = valid ? exp2f(s[gg] - m_new[gg]) : 0.0f;
-      ps[gq * GL + gg][tid] = p;
+      ps[gg][tid] = p;
     }
     __syncthreads();
     // block sum of p (fixed tree), then the running sum
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) {
-      float p = ps[gq * GL + gg][tid];
+    for (int gg = 0; gg < G; ++gg) {
+      float p = ps[gg][tid];
       for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
-      if (lane == 0) part[gq * GL + gg][warp] = p;
+      if (lane == 0) part[gg][warp] = p;
     }
     __syncthreads();
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg) {
-      const float* pt = part[gq * GL + gg];
-      const float bsum = (pt[0] + pt[1]) + (pt[2] + pt[3]);
+    for (int gg = 0; gg < G; ++gg) {
+      const float bsum = (part[gg][0] + part[gg][1]) + (part[gg][2] + part[gg][3]);
       run_sum[gg] = __fmaf_rn(run_sum[gg], alpha[gg], bsum);
       run_max[gg] = m_new[gg];
     }
@@ -614,9 +604,9 @@ _ATTENTION_SOURCE = r"""
     {
       const int j1 = min(n, warp * 32 + 32);
       const T* vb = STAGED ? reinterpret_cast<const T*>(staged + 128 * KW) : vpool + blk * D;
-      float pv[GL][DPL];
+      float pv[G][DPL];
 #pragma unroll
-      for (int gg = 0; gg < GL; ++gg)
+      for (int gg = 0; gg < G; ++gg)
 #pragma unroll
         for (int i = 0; i < DPL; ++i) pv[gg][i] = 0.0f;
       int j = warp * 32;
@@ -631,10 +621,9 @@ _ATTENTION_SOURCE = r"""
 #pragma unroll
         for (int u = 0; u < 8; ++u)
 #pragma unroll
-          for (int gg = 0; gg < GL; ++gg)
+          for (int gg = 0; gg < G; ++gg)
 #pragma unroll
-            for (int i = 0; i < DPL; ++i)
-              pv[gg][i] = __fmaf_rn(ps[gq * GL + gg][j + u], v[u][i], pv[gg][i]);
+            for (int i = 0; i < DPL; ++i) pv[gg][i] = __fmaf_rn(ps[gg][j + u], v[u][i], pv[gg][i]);
       }
       for (; j < j1; ++j) {
 #pragma unroll
@@ -642,21 +631,19 @@ _ATTENTION_SOURCE = r"""
           const float v = lane + 32 * i < D
               ? static_cast<float>(vb[(size_t)j * D + lane + 32 * i]) : 0.0f;
 #pragma unroll
-          for (int gg = 0; gg < GL; ++gg)
-            pv[gg][i] = __fmaf_rn(ps[gq * GL + gg][j], v, pv[gg][i]);
+          for (int gg = 0; gg < G; ++gg) pv[gg][i] = __fmaf_rn(ps[gg][j], v, pv[gg][i]);
         }
       }
 #pragma unroll
-      for (int gg = 0; gg < GL; ++gg)
+      for (int gg = 0; gg < G; ++gg)
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) pvs[warp][gq * GL + gg][lane + 32 * i] = pv[gg][i];
+        for (int i = 0; i < DPL; ++i) pvs[warp][gg][lane + 32 * i] = pv[gg][i];
     }
     __syncthreads();
     if (tid < D) {
 #pragma unroll
-      for (int gg = 0; gg < GL; ++gg) {
-        const int hg = gq * GL + gg;
-        const float sum = ((pvs[0][hg][tid] + pvs[1][hg][tid]) + pvs[2][hg][tid]) + pvs[3][hg][tid];
+      for (int gg = 0; gg < G; ++gg) {
+        const float sum = ((pvs[0][gg][tid] + pvs[1][gg][tid]) + pvs[2][gg][tid]) + pvs[3][gg][tid];
         acc[gg] = __fmaf_rn(acc[gg], alpha[gg], sum);
       }
     }
@@ -664,8 +651,8 @@ _ATTENTION_SOURCE = r"""
   }
   if (tid < D) {
 #pragma unroll
-    for (int gg = 0; gg < GL; ++gg)
-      out[base + (size_t)(gq * GL + gg) * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
+    for (int gg = 0; gg < G; ++gg)
+      out[base + (size_t)gg * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
   }
 """
 
@@ -947,16 +934,6 @@ def _staged_bytes(head_dim: int) -> int:
     return 128 * (2 * head_dim // 8 + 1) * 16
 
 
-def _head_split(group: int) -> int:
-    """Thread groups of 128 in a staged attention block: one per query head of the GQA group,
-    up to 4 (512 threads, two blocks an SM). A staged launch is small (a decode step of up
-    to 32 rows at 8 kv heads: 8-256 blocks), so spreading a block's heads over more warps is
-    what keeps its SMs busy; they read K/V from shared memory, so the split adds no global
-    loads. In-place launches keep one group: there each group would read every key again
-    (run AF). Each head is computed the same way in any split: the same bits."""
-    return next(s for s in (4, 2, 1) if group % s == 0)
-
-
 @cache
 def _attention_params(scale: float) -> mx.array:
     """The kernel's params input (scale in log2 units), made once per scale."""
@@ -972,14 +949,13 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
     staged = r * hkv <= STAGED_BLOCKS
-    gs = _head_split(hq // hkv) if staged else 1
     (out,) = _kernel("paged_attention", _staged_bytes(d) if staged else 0)(
         inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
                 _attention_params(scale)],
-        template=[("T", kpool.dtype), ("G", hq // hkv), ("GS", gs), ("D", d),
-                  ("WINDOW", window or 0), ("STAGED", staged)],
-        grid=(r * hkv * 128 * gs, 1, 1),
-        threadgroup=(128 * gs, 1, 1),
+        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
+                  ("STAGED", staged)],
+        grid=(r * hkv * 128, 1, 1),
+        threadgroup=(128, 1, 1),
         output_shapes=[(r, hq * d)],
         output_dtypes=[mx.bfloat16],
     )
@@ -1006,14 +982,13 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
                        head_dim)
         return paged_attention(q, kpool, vpool, tables, row_table, row_pos, scale, window)
     assert write_rows.shape[0] <= r and write_rows.shape[1] == kv_heads, "pool rows per row"
-    gs = _head_split(heads // kv_heads)
     (out,) = _kernel("rope_attention", _staged_bytes(head_dim))(
         inputs=[qkv, kpool, vpool, tables, row_table, row_pos, _attention_params(scale), cos,
                 sin, write_rows],
-        template=[("T", kpool.dtype), ("G", heads // kv_heads), ("GS", gs), ("D", head_dim),
+        template=[("T", kpool.dtype), ("G", heads // kv_heads), ("D", head_dim),
                   ("WINDOW", window or 0), ("STAGED", True)],
-        grid=(r * kv_heads * 128 * gs, 1, 1),
-        threadgroup=(128 * gs, 1, 1),
+        grid=(r * kv_heads * 128, 1, 1),
+        threadgroup=(128, 1, 1),
         output_shapes=[(r, heads * head_dim)],
         output_dtypes=[mx.bfloat16],
     )
