@@ -19,6 +19,9 @@ is ~15 small kernels per layer. These replace both on the GPU:
 * `rope_write` and `swiglu`: the elementwise glue around them in one launch each, so
   a layer's graph stays short (graph building and launching are host time on every
   step); `rope_write` also puts K/V straight into the pool (no scatter ops).
+  `rope_attention` does the rotation and the K/V write inside the attention launch of
+  decode steps, and `q4_matmul(norm=...)` the RMS norm inside the matmul's (`rms_rows`, the
+  same arithmetic in a launch of its own, serves the larger launches).
 
 The tests compare each against a plain MLX reference and check invariance on the
 GPU (tests/test_cuda_kernels.py, marked gpu).
