@@ -868,16 +868,18 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     add = residual is not None and RESIDUAL_EPILOGUE
     assert not fused or nt % 2 == 0, "a block holds whole (gate, up) tile pairs"
     x = x.astype(mx.bfloat16)
+    # the norm's weight and eps (as int bits) for the launch; x stands in without NORM
+    nw, eps_bits = ((norm[0].astype(mx.bfloat16), _float_bits(norm[1])) if in_launch and norm
+                    else (x, 0))
     smem = _shared_bytes(nt, ksplit, stages) + (m * k * 2 if in_launch else 0)
     (y,) = _kernel("q4_matmul", smem)(
-        inputs=[x, wp, sp, residual if add else x, norm[0] if in_launch and norm else x],
+        inputs=[x, wp, sp, residual if add else x, nw],
         template=[("MT", mt), ("NT", nt), ("KSPLIT", ksplit), ("STAGES", stages),
                   ("SWIGLU", fused), ("RESID", add), ("NORM", in_launch),
                   # the row count in the name of a NORM launch: its shared memory grows with
                   # the rows, and MLX sets a kernel's shared-memory limit once, at its first
                   # launch
-                  ("ROWS", m if in_launch else 0),
-                  ("EPS", _float_bits(norm[1]) if in_launch and norm else 0)],
+                  ("ROWS", m if in_launch else 0), ("EPS", eps_bits)],
         grid=(n // (8 * nt) * -(-m // (16 * mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n // 2 if fused else n)],

@@ -259,8 +259,7 @@ class Linear:
         if self.q4 is not None:
             return cuda.q4_matmul(x, *self.q4, residual=residual,
                                   norm=None if norm is None else (norm.weight, norm.eps))
-        if norm is not None:
-            x = norm(x)
+        x = normed(x, norm)
         if self.kernel is not None:
             y = self.kernel(x)
         elif self.q is not None:
@@ -444,6 +443,11 @@ class RMSNorm:
 
     def __call__(self, x: mx.array) -> mx.array:
         return rms_norm(x, self.weight, self.eps)
+
+
+def normed(x: mx.array, norm: RMSNorm | None) -> mx.array:
+    """norm(x), or x when there is no norm (layers that take an optional norm)."""
+    return x if norm is None else norm(x)
 
 
 def pad_rows(x: mx.array) -> mx.array:

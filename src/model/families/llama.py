@@ -14,6 +14,7 @@ from slotserve.model.layers import (
     RMSNorm,
     Rope,
     attend,
+    normed,
     pad_rows,
     plus,
 )
@@ -56,7 +57,7 @@ class Attention:
         if (self.native_block and batch.native is not None and rope is not None
                 and lib is not None and self.qkv.kernel is not None
                 and self.o.kernel is not None):
-            x = x if norm is None else norm(x)
+            x = normed(x, norm)
             pool = batch.pool
             assert pool is not None
             out = cpu_attention.attention_block(
@@ -73,7 +74,7 @@ class Attention:
                                       batch.one_row_per_slot)
             batch.effects.append(out)  # its K/V writes must run even if no logits are asked
             return self.o(out, residual)
-        q, k, v = self.split_heads(x if norm is None else norm(x))
+        q, k, v = self.split_heads(normed(x, norm))
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
         return self.o(out.reshape(out.shape[0], -1), residual)
@@ -100,7 +101,7 @@ class MLP:
         (on the GPU the norm runs in the gate+up launch, the add in the down projection's)."""
         lib = native.library()
         if lib is not None and self.gate_up.kernel is not None and self.down.kernel is not None:
-            x = x if norm is None else norm(x)
+            x = normed(x, norm)
             return plus(cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel, x),
                         residual)
         if self.paired:
