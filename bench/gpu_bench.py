@@ -593,7 +593,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "sweep_not_compiled")
             runner_obj.compiled = compiled
             report["compiled_traces"] = compiled.traced
-        # a kernel switch (cuda.RESIDUAL_EPILOGUE: the same bits either way) off and on,
+        # a kernel switch (--ab-switch, a cuda module flag: the same bits either way) off and on,
         # in the order off, on, on, off: late sweeps of a process run slower (runs Z, AE),
         # and this order cancels a steady drift; compiled traces hold the launches they
         # were traced with, so they are dropped at each switch

@@ -257,8 +257,7 @@ class Linear:
         """norm(x) W^T (x W^T without a norm), plus `residual` when given; the CUDA 4-bit
         kernel does the norm and the add in its own launch where it can."""
         if self.q4 is not None:
-            return cuda.q4_matmul(x, *self.q4, residual=residual,
-                                  norm=None if norm is None else (norm.weight, norm.eps))
+            return cuda.q4_matmul(x, *self.q4, residual=residual, norm=kernel_norm(norm))
         x = normed(x, norm)
         if self.kernel is not None:
             y = self.kernel(x)
@@ -443,6 +442,11 @@ class RMSNorm:
 
     def __call__(self, x: mx.array) -> mx.array:
         return rms_norm(x, self.weight, self.eps)
+
+
+def kernel_norm(norm: RMSNorm | None) -> tuple[mx.array, float] | None:
+    """The (weight, eps) pair cuda.q4_matmul(norm=...) takes, or None."""
+    return None if norm is None else (norm.weight, norm.eps)
 
 
 def normed(x: mx.array, norm: RMSNorm | None) -> mx.array:

@@ -14,6 +14,7 @@ from slotserve.model.layers import (
     RMSNorm,
     Rope,
     attend,
+    kernel_norm,
     normed,
     pad_rows,
     plus,
@@ -106,9 +107,8 @@ class MLP:
                         residual)
         if self.paired:
             assert self.gate_up.q4 is not None
-            return self.down(cuda.q4_matmul(
-                x, *self.gate_up.q4, gate_up=True,
-                norm=None if norm is None else (norm.weight, norm.eps)), residual)
+            return self.down(cuda.q4_matmul(x, *self.gate_up.q4, gate_up=True,
+                                            norm=kernel_norm(norm)), residual)
         gu = self.gate_up(x, norm=norm)
         if self.cuda:
             return self.down(cuda.swiglu(gu), residual)
