@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import mlx.core as mx
 import numpy as np
-import pytest
 
-from slotserve.kernels import cpu_gemm, native
+from slotserve.kernels import cpu_gemm
 from slotserve.model.layers import Rope
 
-lib = native.library()
-pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the kernels are not built")
 
-
-def test_swiglu_matches_float64() -> None:
+def test_swiglu_matches_float64(lib: ctypes.CDLL) -> None:
     rng = np.random.default_rng(0)
     gu = cpu_gemm.aligned_copy((rng.standard_normal((5, 64)) * 6).astype(np.float32))
     gu[0, :4] = [-100.0, 100.0, 0.0, -0.0]  # saturated and zero inputs
     out = cpu_gemm.aligned_empty((5, 32))
-    assert lib is not None
     assert lib.slot_swiglu(gu.ctypes.data, 5, 32, out.ctypes.data) == 0
     g, u = gu[:, :32].astype(np.float64), gu[:, 32:].astype(np.float64)
     want = g / (1 + np.exp(-g)) * u
     np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-30)
 
 
-def test_rope_matches_the_mlx_formula() -> None:
+def test_rope_matches_the_mlx_formula(lib: ctypes.CDLL) -> None:
     rope = Rope(64, 10000.0, None, mx.float32)
     pos = mx.array([0, 3, 700, 4095], dtype=mx.int32)
     cos, sin = rope.tables(pos, 4095)
@@ -33,19 +30,17 @@ def test_rope_matches_the_mlx_formula() -> None:
     want = np.asarray(Rope.apply(x, cos, sin))
     host = cpu_gemm.aligned_copy(np.asarray(x).reshape(4, 5 * 64))
     tables = rope.host_tables()
-    assert lib is not None
     lib.slot_rope(host.ctypes.data, 4, 5 * 64, 5, 64, tables.cos.ctypes.data,
                   tables.sin.ctypes.data, np.asarray(pos).ctypes.data)
     np.testing.assert_allclose(host.reshape(4, 5, 64), want, rtol=1e-6, atol=1e-6)
 
 
-def test_kv_write_puts_each_head_at_its_row() -> None:
+def test_kv_write_puts_each_head_at_its_row(lib: ctypes.CDLL) -> None:
     heads, d, rows = 2, 16, 3
     src = cpu_gemm.aligned_copy(np.arange(rows * 5 * d, dtype=np.float32).reshape(rows, 5 * d))
     pool_k = np.zeros((20, d), np.float32)
     pool_v = np.zeros((20, d), np.float32)
     dest = np.array([[4, 9], [0, 1], [19, 7]], np.int32)
-    assert lib is not None
     lib.slot_kv_write(pool_k.ctypes.data, pool_v.ctypes.data, src.ctypes.data, rows, 5 * d,
                       1 * d, 3 * d, heads, d, dest.ctypes.data)
     for r in range(rows):

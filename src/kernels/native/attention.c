@@ -46,15 +46,15 @@ int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int6
       const int64_t pos = row_pos[r];
       const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
       const int32_t *table = tables + (int64_t)t * nbmax * Hkv;
-      v16f qv[32];
+      vfloat qv[32];
       const float *qrow = q + r * q_stride + hq * D;
-      for (int64_t c = 0; c < chunks; c++) qv[c] = load_f(qrow + c * LANES);
+      for (int64_t c = 0; c < chunks; c++) qv[c] = vload(qrow + c * LANES);
       /* scores, in key order */
       float best = -__builtin_inff();
       for (int64_t j = lo; j <= pos; j++) {
         const float *k = kpool + ((int64_t)table[(j / BLOCK) * Hkv + h] * BLOCK + j % BLOCK) * D;
-        v16f acc = {0};
-        for (int64_t c = 0; c < chunks; c++) acc = FMA(qv[c], load_f(k + c * LANES), acc);
+        vfloat acc = vzero();
+        for (int64_t c = 0; c < chunks; c++) acc = vfma(qv[c], vload(k + c * LANES), acc);
         float s = hsum(acc) * scale;
         scores[j - lo] = s;
         best = s > best ? s : best;
@@ -62,27 +62,27 @@ int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int6
       /* weights and their sum: 16 keys at a time, padding lanes at -inf give 0 */
       const int64_t n = pos - lo + 1;
       for (int64_t j = n; j < ((n + LANES - 1) / LANES) * LANES; j++) scores[j] = -__builtin_inff();
-      v16f total = {0};
+      vfloat total = vzero();
       for (int64_t j = 0; j < n; j += LANES) {
-        v16f p = exp2_neg(load_f(scores + j) - best);
-        store_f(scores + j, p);
-        total += p;
+        vfloat p = exp2_neg(vadd(vload(scores + j), vsplat(-best)));
+        vstore(scores + j, p);
+        total = vadd(total, p);
       }
       const float denom = hsum(total);
       /* out = sum_j p_j v_j / denom */
-      v16f acc[32];
-      for (int64_t c = 0; c < chunks; c++) acc[c] = (v16f){0};
+      vfloat acc[32];
+      for (int64_t c = 0; c < chunks; c++) acc[c] = vzero();
       for (int64_t j = 0; j < n; j++) {
         const float p = scores[j];
         if (p == 0.0f) continue;
         const int64_t key = lo + j;
         const float *v =
             vpool + ((int64_t)table[(key / BLOCK) * Hkv + h] * BLOCK + key % BLOCK) * D;
-        const v16f pv = (v16f){0} + p;
-        for (int64_t c = 0; c < chunks; c++) acc[c] = FMA(pv, load_f(v + c * LANES), acc[c]);
+        const vfloat pv = vsplat(p);
+        for (int64_t c = 0; c < chunks; c++) acc[c] = vfma(pv, vload(v + c * LANES), acc[c]);
       }
-      const v16f inv = (v16f){0} + denom;
-      for (int64_t c = 0; c < chunks; c++) store_f(o + c * LANES, acc[c] / inv);
+      const vfloat inv = vsplat(denom);
+      for (int64_t c = 0; c < chunks; c++) vstore(o + c * LANES, vdiv(acc[c], inv));
     }
     free(scores);
   }

@@ -12,62 +12,76 @@
  * in 16 bits (half the bytes of f32) because they are widened in registers.
  *
  * K must be a multiple of 16 (the Python side pads). Work is split over threads
- * by blocks of 4 weight rows (OpenMP, static schedule).
+ * by blocks of NB weight rows (OpenMP, static schedule).
  */
 #include "vec.h"
 
 enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
-enum { NB = 4, RT = 6 };
 
-static inline v16f widen(const void *w, int wtype, int64_t i) {
+/* Register tile: RT rows of x against NB weight rows, NB * RT accumulators of PARTS
+ * registers each, plus NB weight vectors (x vectors come straight from memory as FMA
+ * operands). Sized per instruction set: AVX-512 has 32 registers (24 + 4 + 1),
+ * AVX2 16 (12 + 4), 128-bit NEON 32 (16 + 8 + 4). The tile changes only which
+ * outputs are computed together, never the order of an output's operations. */
+#if PARTS == 1
+enum { NB = 4, RT = 6 };
+#elif PARTS == 2
+enum { NB = 2, RT = 3 };
+#else
+enum { NB = 2, RT = 2 };
+#endif
+
+static inline __attribute__((always_inline)) vfloat widen(const void *w, int wtype, int64_t i) {
   if (wtype == W_F16) {
     const uint16_t *p = (const uint16_t *)w + i;
+    vfloat out;
 #if defined(__AVX512F__)
-    return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__F16C__)
-    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
-    v16f out;
-    memcpy(&out, &lo, sizeof lo);
-    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
-    return out;
+    out.p[0] = (vnat)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__) && PARTS == 2
+    out.p[0] = (vnat)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    out.p[1] = (vnat)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
 #else
-    return __builtin_convertvector(*(const v16h_u *)p, v16f);
+    float tmp[LANES];
+    for (int l = 0; l < LANES; l++) {
+      _Float16 h;
+      memcpy(&h, p + l, sizeof h);
+      tmp[l] = (float)h;
+    }
+    out = vload(tmp);
 #endif
+    return out;
   }
   if (wtype == W_BF16) {
-    v16i bits = __builtin_convertvector(*(const v16s_u *)((const uint16_t *)w + i), v16i) << 16;
-    v16f out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
+    const uint16_t *p = (const uint16_t *)w + i;
+    float tmp[LANES];
+    for (int l = 0; l < LANES; l++) {
+      uint32_t bits = (uint32_t)p[l] << 16;
+      memcpy(tmp + l, &bits, sizeof bits);
+    }
+    return vload(tmp);
   }
-  return load_f((const float *)w + i);
+  return vload((const float *)w + i);
 }
 
-/* Full tile: RT rows of x against the NB weight rows w[0..NB-1]. Weights are loaded once
- * per k step into registers and each x vector once, so a step is NB + RT loads for
- * NB * RT FMAs (with AVX-512: 4 + 6 registers of inputs, 24 accumulators). */
+/* Full tile: nr (<= RT) rows of x against the NB weight rows w[0..NB-1]. Each weight
+ * vector is loaded once per k step and used by every row of the tile. */
 static inline __attribute__((always_inline)) void tile_rows(
     const float *restrict x, int64_t K, const float *const w[NB], float *y, int64_t N,
     const char *pf, int64_t pf_step, const int nr) {
-  v16f acc[RT][NB];
+  vfloat acc[RT][NB];
   for (int r = 0; r < nr; r++)
-    for (int i = 0; i < NB; i++) acc[r][i] = (v16f){0};
-  const float *restrict w0 = w[0], *restrict w1 = w[1], *restrict w2 = w[2],
-                        *restrict w3 = w[3];
+    for (int i = 0; i < NB; i++) acc[r][i] = vzero();
   for (int64_t k = 0; k < K; k += LANES) {
     if (pf) { /* spread the next block's weight fetches over this block's arithmetic */
       for (int64_t off = 0; off < pf_step; off += 64) __builtin_prefetch(pf + off, 0, 2);
       pf += pf_step;
     }
-    v16f a0 = load_f(w0 + k), a1 = load_f(w1 + k), a2 = load_f(w2 + k), a3 = load_f(w3 + k);
+    vfloat a[NB];
+    for (int i = 0; i < NB; i++) a[i] = vload(w[i] + k);
 #pragma GCC unroll 8
     for (int r = 0; r < nr; r++) {
-      v16f xv = load_f(x + r * K + k);
-      acc[r][0] = FMA(a0, xv, acc[r][0]);
-      acc[r][1] = FMA(a1, xv, acc[r][1]);
-      acc[r][2] = FMA(a2, xv, acc[r][2]);
-      acc[r][3] = FMA(a3, xv, acc[r][3]);
+      vfloat xv = vload(x + r * K + k);
+      for (int i = 0; i < NB; i++) acc[r][i] = vfma(a[i], xv, acc[r][i]);
     }
   }
   for (int r = 0; r < nr; r++)
@@ -77,14 +91,13 @@ static inline __attribute__((always_inline)) void tile_rows(
 /* nr (1..RT) fixed at compile time in each case, so the accumulators stay in registers. */
 static void tile(const float *x, int64_t K, const float *const w[NB], float *y, int64_t N,
                  const char *pf, int64_t pf_step, int nr) {
-  switch (nr) {
-    case 1: tile_rows(x, K, w, y, N, pf, pf_step, 1); break;
-    case 2: tile_rows(x, K, w, y, N, pf, pf_step, 2); break;
-    case 3: tile_rows(x, K, w, y, N, pf, pf_step, 3); break;
-    case 4: tile_rows(x, K, w, y, N, pf, pf_step, 4); break;
-    case 5: tile_rows(x, K, w, y, N, pf, pf_step, 5); break;
+#define TILE_CASE(n) \
+  case n: tile_rows(x, K, w, y, N, pf, pf_step, (n) < RT ? (n) : RT); break;
+  switch (nr) {  /* nr <= RT: the cases above RT never run */
+    TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
     default: tile_rows(x, K, w, y, N, pf, pf_step, RT); break;
   }
+#undef TILE_CASE
 }
 
 /* Edge tiles (fewer than NB weight rows): the same per-element arithmetic, one pair at a time. */
@@ -92,9 +105,9 @@ static void tile_edge(const float *x, int64_t K, const float *const w[NB], int n
                       float *y, int64_t N) {
   for (int r = 0; r < nr; r++) {
     for (int i = 0; i < nw; i++) {
-      v16f acc = {0};
+      vfloat acc = vzero();
       for (int64_t k = 0; k < K; k += LANES) {
-        acc = FMA(load_f(w[i] + k), load_f(x + r * K + k), acc);
+        acc = vfma(vload(w[i] + k), vload(x + r * K + k), acc);
       }
       y[r * N + i] = hsum(acc);
     }
@@ -124,9 +137,7 @@ int slot_gemm(const float *x, int64_t R, int64_t K, const void *w, int wtype, in
           rows[i] = (const float *)w + (n0 + i) * K;
         } else {
           float *dst = scratch + (int64_t)i * K;
-          for (int64_t k = 0; k < K; k += LANES) {
-            *(v16f_u *)(dst + k) = widen(w, wtype, (n0 + i) * K + k);
-          }
+          for (int64_t k = 0; k < K; k += LANES) vstore(dst + k, widen(w, wtype, (n0 + i) * K + k));
           rows[i] = dst;
         }
       }

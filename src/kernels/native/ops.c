@@ -15,19 +15,19 @@ int slot_swiglu(const float *gu, int64_t R, int64_t I, float *out) {
   for (int64_t r = 0; r < R; r++) {
     const float *g = gu + r * 2 * I, *u = g + I;
     float *o = out + r * I;
-    for (int64_t i = 0; i < I; i += LANES) {
-      v16f x = load_f(g + i);
-      v16si neg = x < 0.0f;
-      v16si absbits;
+    for (int64_t i = 0; i < I; i += PART_LANES) {
+      vnat x = *(const vnat_u *)(g + i);
+      vnati neg = x < 0.0f;
+      vnati absbits;
       memcpy(&absbits, &x, sizeof absbits);
       absbits &= 0x7fffffff;
-      v16f ax;
+      vnat ax;
       memcpy(&ax, &absbits, sizeof ax);
-      v16f e = exp2_neg(-ax * log2e); /* exp(-|x|) */
-      v16f one = (v16f){0} + 1.0f;
-      v16f den = one + e;
+      vnat e = exp2_neg_part(-ax * log2e); /* exp(-|x|) */
+      vnat one = (vnat){0} + 1.0f;
+      vnat den = one + e;
       /* sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0 */
-      store_f(o + i, x * (vselect(neg, e, one) / den) * load_f(u + i));
+      *(vnat_u *)(o + i) = x * (vselect(neg, e, one) / den) * *(const vnat_u *)(u + i);
     }
   }
   return 0;

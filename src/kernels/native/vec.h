@@ -1,78 +1,135 @@
-/* Vector types and the few primitives every slotserve CPU kernel shares.
+/* The vector type and the few primitives every slotserve CPU kernel shares.
  *
- * GCC/Clang vector extensions: 16 float lanes, compiled to AVX-512 where the CPU
- * has it (-march=native) and to narrower vectors elsewhere. Every reduction goes
- * through hsum's one fixed add tree, so a result never depends on how work was split.
+ * A `vfloat` is 16 float lanes, whatever the machine: one AVX-512 register, two AVX
+ * registers, or four 128-bit (SSE2 / NEON) registers. Each part is a GCC/Clang
+ * vector of the machine's own width, so every operation compiles to real vector
+ * instructions. (One 64-byte vector type on an AVX2 machine does not: GCC expands
+ * its operations piecewise and passes it in memory, which made the AVX2 build 5-20x
+ * slower than the AVX-512 one.)
+ *
+ * Why 16 logical lanes everywhere: every dot product accumulates lane i over
+ * k = i, i + 16, i + 32, ... and ends in hsum's one fixed add tree, so the float
+ * operations behind an output are the same on every instruction set and for every
+ * tile shape. Results therefore do not depend on how work was split (batch
+ * invariance by construction) and, where the target has FMA (x86-64-v3 and up,
+ * aarch64), are the same bits on AVX2, AVX-512 and NEON.
  */
 #pragma once
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef _Float16 v16h_u __attribute__((vector_size(32), aligned(2)));
-typedef uint16_t v16s_u __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t v16i __attribute__((vector_size(64)));
-typedef int32_t v16si __attribute__((vector_size(64)));
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 enum { LANES = 16 };
 
-static inline v16f load_f(const float *p) { return *(const v16f_u *)p; }
-static inline void store_f(float *p, v16f v) { *(v16f_u *)p = v; }
-
 #if defined(__AVX512F__)
-#define FMA(a, b, c) ((v16f)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#define NATIVE_BYTES 64
+#elif defined(__AVX__)
+#define NATIVE_BYTES 32
 #else
-#define FMA(a, b, c) ((c) + (a) * (b))
+#define NATIVE_BYTES 16
 #endif
+#define PART_LANES (NATIVE_BYTES / 4)   /* floats in one machine register */
+#define PARTS (64 / NATIVE_BYTES)        /* registers in one 16-lane vfloat */
+
+typedef float vnat __attribute__((vector_size(NATIVE_BYTES)));
+typedef float vnat_u __attribute__((vector_size(NATIVE_BYTES), aligned(4)));
+typedef int32_t vnati __attribute__((vector_size(NATIVE_BYTES)));
+typedef struct { vnat p[PARTS]; } vfloat;
+
+#define VLOOP _Pragma("GCC unroll 4") for (int i_ = 0; i_ < PARTS; i_++)
+
+static inline __attribute__((always_inline)) vfloat vzero(void) {
+  vfloat r;
+  VLOOP r.p[i_] = (vnat){0};
+  return r;
+}
+static inline __attribute__((always_inline)) vfloat vsplat(float x) {
+  vfloat r;
+  VLOOP r.p[i_] = (vnat){0} + x;
+  return r;
+}
+static inline __attribute__((always_inline)) vfloat vload(const float *p) {
+  vfloat r;
+  VLOOP r.p[i_] = *(const vnat_u *)(p + i_ * PART_LANES);
+  return r;
+}
+static inline __attribute__((always_inline)) void vstore(float *p, vfloat v) {
+  VLOOP *(vnat_u *)(p + i_ * PART_LANES) = v.p[i_];
+}
+static inline __attribute__((always_inline)) vfloat vadd(vfloat a, vfloat b) {
+  VLOOP a.p[i_] += b.p[i_];
+  return a;
+}
+static inline __attribute__((always_inline)) vfloat vdiv(vfloat a, vfloat b) {
+  VLOOP a.p[i_] /= b.p[i_];
+  return a;
+}
+/* a * b + c, fused where the target has FMA (-ffp-contract=fast) */
+static inline __attribute__((always_inline)) vfloat vfma(vfloat a, vfloat b, vfloat c) {
+  VLOOP c.p[i_] = c.p[i_] + a.p[i_] * b.p[i_];
+  return c;
+}
 
 /* The one add tree every output goes through: lanes (i, i+8), (i, i+4), (i, i+2), (i, i+1). */
-static inline float hsum(v16f v) {
-  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+static inline __attribute__((always_inline)) float hsum(vfloat v) {
+#if PARTS == 1
+  v8f a = __builtin_shufflevector(v.p[0], v.p[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v.p[0], v.p[0], 8, 9, 10, 11, 12, 13, 14, 15);
   v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif PARTS == 2
+  v8f a = v.p[0] + v.p[1];
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#else
+  v4f b = (v.p[0] + v.p[2]) + (v.p[1] + v.p[3]);
+#endif
   float c0 = b[0] + b[2], c1 = b[1] + b[3];
   return c0 + c1;
 }
 
-
 /* Lanes of a where mask is set, else lanes of b. */
-static inline v16f vselect(v16si mask, v16f a, v16f b) {
-  v16si ai, bi;
+static inline __attribute__((always_inline)) vnat vselect(vnati mask, vnat a, vnat b) {
+  vnati ai, bi;
   memcpy(&ai, &a, sizeof ai);
   memcpy(&bi, &b, sizeof bi);
-  v16si r = (ai & mask) | (bi & ~mask);
-  v16f out;
+  vnati r = (ai & mask) | (bi & ~mask);
+  vnat out;
   memcpy(&out, &r, sizeof out);
   return out;
 }
 
 /* 2^x for x in [-64, 0] (inputs below -64 give exactly 0): x = n + 0.5 + f with
- * |f| <= 0.5, 2^f from its Taylor series to degree 7 (relative error < 1e-8). */
-static inline v16f exp2_neg(v16f x) {
-  const v16si keep = x > -64.0f;
-  x = vselect(keep, x, (v16f){0} - 64.0f);
-  v16si n = __builtin_convertvector(x + 64.0f, v16si) - 64; /* floor, as x >= -64 */
-  v16f f = x - __builtin_convertvector(n, v16f) - 0.5f;
+ * |f| <= 0.5, 2^f from its Taylor series to degree 7 (relative error < 1e-8).
+ * Elementwise, so it runs on one machine-width part at a time. */
+static inline __attribute__((always_inline)) vnat exp2_neg_part(vnat x) {
+  const vnati keep = x > -64.0f;
+  x = vselect(keep, x, (vnat){0} - 64.0f);
+  vnati n = __builtin_convertvector(x + 64.0f, vnati) - 64; /* floor, as x >= -64 */
+  vnat f = x - __builtin_convertvector(n, vnat) - 0.5f;
   const float l = 0.6931471805599453f;
-  v16f t = f * l;
-  v16f p = (v16f){0} + 1.0f / 5040.0f;
-  p = FMA(p, t, (v16f){0} + 1.0f / 720.0f);
-  p = FMA(p, t, (v16f){0} + 1.0f / 120.0f);
-  p = FMA(p, t, (v16f){0} + 1.0f / 24.0f);
-  p = FMA(p, t, (v16f){0} + 1.0f / 6.0f);
-  p = FMA(p, t, (v16f){0} + 0.5f);
-  p = FMA(p, t, (v16f){0} + 1.0f);
-  p = FMA(p, t, (v16f){0} + 1.0f);
-  v16si bits = (n + 127) << 23;
-  v16f scale2;
+  vnat t = f * l;
+  vnat p = (vnat){0} + 1.0f / 5040.0f;
+  p = p * t + 1.0f / 720.0f;
+  p = p * t + 1.0f / 120.0f;
+  p = p * t + 1.0f / 24.0f;
+  p = p * t + 1.0f / 6.0f;
+  p = p * t + 0.5f;
+  p = p * t + 1.0f;
+  p = p * t + 1.0f;
+  vnati bits = (n + 127) << 23;
+  vnat scale2;
   memcpy(&scale2, &bits, sizeof scale2);
-  return vselect(keep, p * scale2 * 1.4142135623730951f, (v16f){0});
+  return vselect(keep, p * scale2 * 1.4142135623730951f, (vnat){0});
 }
 
+static inline __attribute__((always_inline)) vfloat exp2_neg(vfloat x) {
+  VLOOP x.p[i_] = exp2_neg_part(x.p[i_]);
+  return x;
+}
