@@ -46,7 +46,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from slotserve.engine import Engine
 
     async def main() -> int:
-        engine = Engine.load(args.model, max_slots=1, device=args.device)
+        # one request, nothing batched beside it: the batch-invariance probe cannot matter
+        engine = Engine.load(args.model, max_slots=1, device=args.device,
+                             allow_batch_variance=True)
         engine.progress = _progress if sys.stderr.isatty() else None
         async with engine:
             opts: dict[str, Any] = {"max_tokens": args.max_tokens,
@@ -131,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="conversations kept (parked KV) beyond the slots for their next turn "
                         "(default: as many as --max-slots; 0 disables)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--allow-batch-variance", action="store_true",
+                   help="serve even if the start-up probe finds outputs depend on the batch")
     s.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("bench", help="in-process throughput/latency benchmark")

@@ -62,6 +62,10 @@ class EngineConfig:
     # not built by Python every step. None: on for a GPU (it applies to the CUDA kernels'
     # steps only); SLOTSERVE_COMPILE=0 turns it off
     compile_decode: bool | None = None
+    # serve even when the start-up probe finds that a CPU step's rows depend on their batch
+    # (only the MLX-ops fallback, without the native kernels, can fail it): outputs then
+    # differ between alone and batched. Off: such an engine refuses to start.
+    allow_batch_variance: bool = False
 
 
 @dataclass
@@ -73,6 +77,10 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     ttft: float | None = None
     error: str | None = None
+
+
+class BatchVarianceError(RuntimeError):
+    """The engine refused to start: its CPU step would not be batch-invariant here."""
 
 
 def default_kv_budget() -> int:
@@ -112,6 +120,14 @@ class Engine:
             lambda: load(cfg.model, device=cfg.device, probe_rows=rows, progress=self.progress)
         )
         lm = self.loaded
+        report = lm.invariance
+        if (report is not None and not report.invariant and lm.device == "cpu"
+                and not cfg.allow_batch_variance):
+            raise BatchVarianceError(
+                "batch invariance does not hold on this CPU: " + "; ".join(report.failures)
+                + ". Build slotserve's native kernels (a C compiler: `make setup` installs one;"
+                " unset SLOTSERVE_NATIVE=0), or pass --allow-batch-variance to serve outputs"
+                " that differ between alone and batched.")
         self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
         speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
         compiled = (lm.device == "gpu" and os.environ.get("SLOTSERVE_COMPILE", "1") != "0"

@@ -3,6 +3,10 @@ attention, for both ways of reading the paged pool, on the CPU and (marked gpu) 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -63,7 +67,46 @@ def test_decode_and_prefill_match_reference(device: mx.Device, method: str) -> N
                                    atol=atol)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_mlx_path_is_batch_invariant(device: mx.Device) -> None:
-    with mx.stream(device):
-        assert attention_invariant(3, 3, 64, _engine_dtype(device)[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.is_available(mx.gpu), reason="no GPU")
+def test_mlx_path_is_batch_invariant_on_the_gpu() -> None:
+    with mx.stream(mx.gpu):
+        assert attention_invariant(3, 3, 64, mx.bfloat16)
+
+
+# Without the native kernels (SLOTSERVE_NATIVE=0) a CPU engine runs on MLX ops over the BLAS.
+_FALLBACK_ENGINE = """
+import anyio
+from slotserve.engine import BatchVarianceError, Engine
+
+async def main():
+    try:
+        async with Engine.load(max_slots=2) as engine:
+            done = await engine.complete("The sky is", max_tokens=2, temperature=0)
+            print("SERVED", len(done.token_ids))
+    except BatchVarianceError as exc:
+        print("REFUSED", exc)
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_mlx_path_on_the_cpu_is_invariant_or_refused() -> None:
+    """The MLX-ops attention is batch-invariant only where the BLAS rounds a row the same
+    for every row count (OpenBLAS's AVX-512 kernels do, its AVX2 ones do not). Where it is
+    not, the engine's start-up probe must catch it and the engine refuse to start; where it
+    is, the engine serves."""
+    with mx.stream(mx.cpu):
+        holds = attention_invariant(3, 3, 64, mx.float32)
+    env = {**os.environ, "SLOTSERVE_NATIVE": "0"}
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK_ENGINE], env=env, text=True,
+                          capture_output=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.strip().splitlines()[-1]  # after the engine's log lines
+    if not holds:
+        assert out.startswith("REFUSED") and "attention" in out, out
+    else:
+        assert out.startswith(("SERVED 2", "REFUSED")), out
+        if out.startswith("REFUSED"):  # the probe may only refuse for the matmuls then
+            assert "linear" in out and "attention" not in out, out

@@ -127,7 +127,8 @@ def main(args: argparse.Namespace) -> int:
                        max_slots=args.max_slots, max_queue=args.max_queue,
                        kv_budget_bytes=parse_bytes(getattr(args, "kv_budget", None)),
                        prefill_budget=getattr(args, "prefill_budget", 256),
-                       max_parked=getattr(args, "max_parked", None))
+                       max_parked=getattr(args, "max_parked", None),
+                       allow_batch_variance=getattr(args, "allow_batch_variance", False))
     sys.stdout.write(startup_banner(args.host, args.port, args.api_key,
                                     model_id_for(args.model)) + "\n")
     sys.stdout.flush()
