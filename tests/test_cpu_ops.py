@@ -48,3 +48,14 @@ def test_kv_write_puts_each_head_at_its_row(lib: ctypes.CDLL) -> None:
             k_off, v_off = (1 + h) * d, (3 + h) * d
             assert np.array_equal(pool_k[dest[r, h]], src[r, k_off : k_off + d])
             assert np.array_equal(pool_v[dest[r, h]], src[r, v_off : v_off + d])
+
+
+def test_rms_norm_matches_mlx(lib: ctypes.CDLL) -> None:
+    rng = np.random.default_rng(4)
+    x = cpu_gemm.aligned_copy((rng.standard_normal((7, 576)) * 3).astype(np.float32))
+    w = cpu_gemm.aligned_copy(rng.standard_normal((1, 576)).astype(np.float32))[0]
+    got = cpu_gemm.rms_norm_host(lib, x, w, 1e-5)
+    want = np.asarray(mx.fast.rms_norm(mx.array(x), mx.array(w), 1e-5))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+    assert np.array_equal(cpu_gemm.rms_norm_host(lib, cpu_gemm.aligned_copy(x[3:4]), w, 1e-5),
+                          got[3:4])  # a row alone: the same bits

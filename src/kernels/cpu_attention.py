@@ -75,14 +75,15 @@ class RopeTables:
     sin: np.ndarray
 
 
-def attention_block(lib: ctypes.CDLL, qkv: Matrix, x: mx.array, heads: int, kv_heads: int,
+def attention_block(lib: ctypes.CDLL, qkv: Matrix, xs: np.ndarray, heads: int, kv_heads: int,
                     head_dim: int, rope: RopeTables, keys: mx.array, values: mx.array,
                     rows: RowTables, scale: float, window: int | None = None) -> np.ndarray:
     """QKV projection, RoPE, K/V into the pool and attention, in native memory.
 
-    Returns the attention output [R, heads * head_dim] (host) for the output projection.
+    xs: the block's normalized input rows (aligned host array, cpu_gemm.to_host). Returns
+    the attention output [R, heads * head_dim] (host) for the output projection.
     """
-    y = qkv.host(to_host(x))  # [R, (heads + 2 kv_heads) * head_dim]: q heads, k heads, v heads
+    y = qkv.host(xs)  # [R, (heads + 2 kv_heads) * head_dim]: q heads, k heads, v heads
     r, stride = y.shape
     assert rows.write_rows is not None
     # q and k heads are adjacent in the row: one RoPE pass over heads + kv_heads

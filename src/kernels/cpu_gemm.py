@@ -82,11 +82,25 @@ class Matrix:
         return mx.array(self.host(to_host(x))).reshape(*lead, self.n)
 
 
-def swiglu_mlp(lib: ctypes.CDLL, gate_up: Matrix, down: Matrix, x: mx.array) -> mx.array:
-    """down(silu(gate(x)) * up(x)) with gate_up = [gate; up], all in native memory."""
-    gu = gate_up.host(to_host(x))
+def swiglu_host(lib: ctypes.CDLL, gate_up: Matrix, down: Matrix, xs: np.ndarray) -> np.ndarray:
+    """down(silu(gate(xs)) * up(xs)) with gate_up = [gate; up], for an aligned host xs."""
+    gu = gate_up.host(xs)
     inter = gate_up.n // 2
     h = aligned_empty((gu.shape[0], inter))
     if lib.slot_swiglu(gu.ctypes.data, gu.shape[0], inter, h.ctypes.data) != 0:
         raise RuntimeError("slot_swiglu failed (intermediate size must be a multiple of 16)")
-    return mx.array(down.host(h))
+    return down.host(h)
+
+
+def swiglu_mlp(lib: ctypes.CDLL, gate_up: Matrix, down: Matrix, x: mx.array) -> mx.array:
+    """swiglu_host for an MLX x, all in native memory between the two matmuls."""
+    return mx.array(swiglu_host(lib, gate_up, down, to_host(x)))
+
+
+def rms_norm_host(lib: ctypes.CDLL, xs: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Row-wise RMS norm of an aligned host xs [rows, H] (H a multiple of 16)."""
+    out = aligned_empty(xs.shape)
+    if lib.slot_rms_norm(xs.ctypes.data, xs.shape[0], xs.shape[1], weight.ctypes.data,
+                         ctypes.c_float(eps), out.ctypes.data) != 0:
+        raise RuntimeError("slot_rms_norm failed (hidden size must be a multiple of 16)")
+    return out

@@ -41,6 +41,7 @@ _SIGNATURES = {
     "slot_attention": [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_i64,
                        _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr],
     "slot_swiglu": [_c_ptr, _c_i64, _c_i64, _c_ptr],
+    "slot_rms_norm": [_c_ptr, _c_i64, _c_i64, _c_ptr, ctypes.c_float, _c_ptr],
     "slot_rope": [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr],
     "slot_kv_write": [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
                       _c_ptr],
@@ -99,7 +100,7 @@ def build(arch: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     cfiles = [str(s) for s in SOURCES if s.suffix == ".c"]
-    cmd = [cc, *FLAGS, *_arch_flags(arch), *cfiles, "-o", str(tmp)]
+    cmd = [cc, *FLAGS, *_arch_flags(arch), *cfiles, "-lm", "-o", str(tmp)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"compiling the native kernels failed: {res.stderr.strip()[-800:]}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import mlx.core as mx
+import numpy as np
 
 from slotserve.kernels import cpu_attention, cpu_gemm, cuda, native
 from slotserve.model.config import ModelConfig
@@ -62,9 +65,9 @@ class Attention:
             pool = batch.pool
             assert pool is not None
             out = cpu_attention.attention_block(
-                lib, self.qkv.kernel, x, self.heads, self.kv_heads, self.head_dim,
-                rope.host_tables(), pool.keys[layer], pool.values[layer], batch.native,
-                self.scale)
+                lib, self.qkv.kernel, cpu_gemm.to_host(x), self.heads, self.kv_heads,
+                self.head_dim, rope.host_tables(), pool.keys[layer], pool.values[layer],
+                batch.native, self.scale)
             return plus(mx.array(self.o.kernel.host(out)), residual)
         if self.native_block and batch.cuda is not None and rope is not None:
             pool = batch.pool
@@ -79,6 +82,17 @@ class Attention:
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         out = attend(q, k, v, batch, layer, self.scale)
         return self.o(out.reshape(out.shape[0], -1), residual)
+
+    def host(self, lib: ctypes.CDLL, xs: np.ndarray, batch: Batch, layer: int,
+             rope: Rope) -> np.ndarray:
+        """The output projection of attention over normalized host rows xs (Model.host)."""
+        assert self.qkv.kernel is not None and self.o.kernel is not None
+        pool = batch.pool
+        assert pool is not None and batch.native is not None
+        out = cpu_attention.attention_block(
+            lib, self.qkv.kernel, xs, self.heads, self.kv_heads, self.head_dim,
+            rope.host_tables(), pool.keys[layer], pool.values[layer], batch.native, self.scale)
+        return self.o.kernel.host(out)
 
 
 class MLP:
@@ -132,6 +146,33 @@ class Block:
                       norm=RMSNorm(self.in_norm, self.eps))
         return self.mlp(h, residual=h, norm=RMSNorm(self.post_norm, self.eps))
 
+    def runs_on_host(self) -> bool:
+        """Every part of this block has a native CPU kernel (Model.host can run it)."""
+        a, m = self.attn, self.mlp
+        return (type(self).__call__ is Block.__call__ and type(m) is MLP and a.native_block
+                and a.qkv.kernel is not None and a.o.kernel is not None
+                and m.gate_up.kernel is not None and m.down.kernel is not None
+                and self.in_norm.shape[0] % 16 == 0)
+
+    def host(self, lib: ctypes.CDLL, x: np.ndarray, batch: Batch, layer: int,
+             rope: Rope) -> np.ndarray:
+        """The block on host rows: the residual stream never goes back to MLX."""
+        norms = self._host_norms()
+        h = self.attn.host(lib, cpu_gemm.rms_norm_host(lib, x, norms[0], self.eps), batch,
+                           layer, rope)
+        np.add(h, x, out=h)  # h is the kernel's aligned output: the sum stays aligned
+        assert self.mlp.gate_up.kernel is not None and self.mlp.down.kernel is not None
+        out = cpu_gemm.swiglu_host(lib, self.mlp.gate_up.kernel, self.mlp.down.kernel,
+                                   cpu_gemm.rms_norm_host(lib, h, norms[1], self.eps))
+        np.add(out, h, out=out)
+        return out
+
+    def _host_norms(self) -> tuple[np.ndarray, np.ndarray]:
+        if getattr(self, "_norms", None) is None:
+            self._norms = (cpu_gemm.to_host(self.in_norm.astype(mx.float32))[0],
+                           cpu_gemm.to_host(self.post_norm.astype(mx.float32))[0])
+        return self._norms
+
 
 class Model:
     """Decoder-only transformer over a row batch; see slotserve.model.layers."""
@@ -164,6 +205,9 @@ class Model:
 
         Rows not in logit_rows still write their K/V into their slots.
         """
+        lib = native.library()
+        if lib is not None and batch.native is not None and self.runs_on_host():
+            return self.host(lib, tokens, batch, logit_rows)
         max_pos = max(s.start + s.length for s in batch.segments)
         cos, sin = self.rope.tables(batch.positions, max_pos)
         x = self.embed_tokens(batch.pad_tokens(tokens))
@@ -174,3 +218,32 @@ class Model:
         x = x[mx.array(logit_rows, dtype=mx.int32)]
         norm = RMSNorm(self.norm, self.config.rms_norm_eps)
         return self.lm_head(pad_rows(x), norm=norm)[: len(logit_rows)].astype(mx.float32)
+
+    def runs_on_host(self) -> bool:
+        """The whole forward has native CPU kernels (decided once: kernels are fixed at load)."""
+        if self._on_host is None:
+            self._on_host = (all(b.runs_on_host() for b in self.layers)
+                             and self.lm_head.kernel is not None)
+        return self._on_host
+
+    _on_host: bool | None = None
+
+    def host(self, lib: ctypes.CDLL, tokens: mx.array, batch: Batch,
+             logit_rows: list[int]) -> mx.array | None:
+        """The CPU forward in native memory: one hand-over from MLX (the embedded rows) and
+        one back (the logits), instead of four per layer."""
+        self.rope.reserve(max(s.start + s.length for s in batch.segments))
+        x = cpu_gemm.to_host(self.embed_tokens(batch.pad_tokens(tokens)))
+        for i, layer in enumerate(self.layers):
+            x = layer.host(lib, x, batch, i, self.rope)
+        if not logit_rows:
+            return None
+        if self._final_norm is None:
+            self._final_norm = cpu_gemm.to_host(self.norm.astype(mx.float32))[0]
+        rows = cpu_gemm.aligned_copy(x[logit_rows])
+        assert self.lm_head.kernel is not None
+        normed_rows = cpu_gemm.rms_norm_host(lib, rows, self._final_norm,
+                                             self.config.rms_norm_eps)
+        return mx.array(self.lm_head.kernel.host(normed_rows))
+
+    _final_norm: np.ndarray | None = None
