@@ -208,8 +208,10 @@ def test_slow_client_parks_its_slot_and_keeps_its_tokens(harness: EngineHarness,
         async def slow() -> None:
             async for d in engine.chat(long_msgs, **opts):
                 state["ids"] += d.token_ids
-                if not state["parked"]:
-                    await anyio.sleep(0.2)
+                if not state["parked"]:  # stop reading until the slot parks (any CPU speed)
+                    with anyio.move_on_after(120):
+                        while not any(s.parked for s in engine.slots):
+                            await anyio.sleep(0.01)
                     state["parked"] = any(s.parked for s in engine.slots)
 
         async def peer() -> None:

@@ -10,6 +10,7 @@ registers, so dequantized GGUF weights (exact in float16) stream at half the byt
 from __future__ import annotations
 
 import ctypes
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -22,7 +23,7 @@ _NP_VIEW = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint
 def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
     """An uninitialized float32 array starting on a 64-byte boundary (MLX buffers are not:
     misaligned rows cost the kernels ~20 %, every vector load splitting a cache line)."""
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     buf = np.empty(size + 16, dtype=np.float32)
     start = (-buf.ctypes.data % 64) // 4
     return buf[start : start + size].reshape(shape)
