@@ -45,6 +45,9 @@ _SIGNATURES = {
     "slot_rope": [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr],
     "slot_kv_write": [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
                       _c_ptr],
+    "slot_quantize_rows": [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr],
+    "slot_qgemm": [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, ctypes.c_int,
+                   ctypes.c_int, _c_i64, _c_ptr],
 }
 
 
