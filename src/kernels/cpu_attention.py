@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels.cpu_gemm import Matrix, aligned_empty, to_host
+from slotserve.kernels.cpu_gemm import HostMatmul, aligned_empty, to_host
 
 LOG2E = 1.4426950408889634
 
@@ -75,7 +75,7 @@ class RopeTables:
     sin: np.ndarray
 
 
-def attention_block(lib: ctypes.CDLL, qkv: Matrix, xs: np.ndarray, heads: int, kv_heads: int,
+def attention_block(lib: ctypes.CDLL, qkv: HostMatmul, xs: np.ndarray, heads: int, kv_heads: int,
                     head_dim: int, rope: RopeTables, keys: mx.array, values: mx.array,
                     rows: RowTables, scale: float, window: int | None = None) -> np.ndarray:
     """QKV projection, RoPE, K/V into the pool and attention, in native memory.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +44,17 @@ def to_host(x: mx.array) -> np.ndarray:
     if h.dtype != np.float32:
         h = h.astype(np.float32)
     return aligned_copy(h.reshape(-1, h.shape[-1]))
+
+
+class HostMatmul(Protocol):
+    """y = x W^T on host rows: Matrix (f32/f16/bf16 weights) or cpu_qgemm.QMatrix (4/8-bit)."""
+
+    n: int
+    k: int
+
+    def host(self, xs: np.ndarray) -> np.ndarray: ...
+
+    def __call__(self, x: mx.array) -> mx.array: ...
 
 
 class Matrix:
@@ -83,7 +95,8 @@ class Matrix:
         return mx.array(self.host(to_host(x))).reshape(*lead, self.n)
 
 
-def swiglu_host(lib: ctypes.CDLL, gate_up: Matrix, down: Matrix, xs: np.ndarray) -> np.ndarray:
+def swiglu_host(lib: ctypes.CDLL, gate_up: HostMatmul, down: HostMatmul,
+                xs: np.ndarray) -> np.ndarray:
     """down(silu(gate(xs)) * up(xs)) with gate_up = [gate; up], for an aligned host xs."""
     gu = gate_up.host(xs)
     inter = gate_up.n // 2
@@ -93,7 +106,8 @@ def swiglu_host(lib: ctypes.CDLL, gate_up: Matrix, down: Matrix, xs: np.ndarray)
     return down.host(h)
 
 
-def swiglu_mlp(lib: ctypes.CDLL, gate_up: Matrix, down: Matrix, x: mx.array) -> mx.array:
+def swiglu_mlp(lib: ctypes.CDLL, gate_up: HostMatmul, down: HostMatmul,
+               x: mx.array) -> mx.array:
     """swiglu_host for an MLX x, all in native memory between the two matmuls."""
     return mx.array(swiglu_host(lib, gate_up, down, to_host(x)))
 

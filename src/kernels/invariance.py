@@ -129,7 +129,8 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
     cfg = model.config
     seen: dict[tuple[int, ...], Any] = {}
     for lin in linears(model):
-        shape = lin.q.shape if lin.q is not None else tuple(lin.w.shape)
+        shape = ((lin.kernel.n, lin.kernel.k) if lin.kernel is not None
+                 else lin.q.shape if lin.q is not None else tuple(lin.w.shape))
         seen.setdefault(shape, lin)
     failures: list[str] = []
     floor = 1

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels import cpu_attention, cpu_gemm, cuda, native
+from slotserve.kernels import cpu_attention, cpu_gemm, cpu_qgemm, cuda, native
 from slotserve.kernels.attention import (
     BLOCK,
     AttentionPlan,
@@ -194,12 +194,14 @@ class Linear:
                  pack: bool = True) -> None:
         self.q: QuantizedWeight | None = None
         self.w: mx.array | None = None
-        self.kernel: cpu_gemm.Matrix | None = None
         self.q4: tuple[mx.array, mx.array] | None = None  # cuda.q4_pack layouts
         lib = native.library() if _use_cpu_kernel(compute_dtype, keep_quantized) else None
+        self.kernel: cpu_gemm.HostMatmul | None = None
         if isinstance(weight, QuantizedWeight):
             if keep_quantized:
                 self.q = weight
+            elif lib is not None and cpu_qgemm.supported(weight):
+                self.kernel = cpu_qgemm.QMatrix(weight, lib)  # stays 4/8-bit in memory
             else:
                 self.w = weight.dequantize(None if lib else compute_dtype)
         else:
@@ -228,7 +230,12 @@ class Linear:
     def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool,
               pack: bool = True) -> Linear:
         """One matrix for several projections of the same input (QKV, gate+up)."""
-        if keep_quantized and all(isinstance(p, QuantizedWeight) for p in parts):
+        cpu_quantized = (_use_cpu_kernel(compute_dtype, keep_quantized)
+                         and native.library() is not None
+                         and all(isinstance(p, QuantizedWeight) and cpu_qgemm.supported(p)
+                                 for p in parts))
+        if (keep_quantized or cpu_quantized) and all(isinstance(p, QuantizedWeight)
+                                                     for p in parts):
             qs: list[QuantizedWeight] = parts  # type: ignore[assignment]
             if len({(p.bits, p.group_size) for p in qs}) == 1:
                 return Linear(
@@ -240,7 +247,7 @@ class Linear:
                         qs[0].bits,
                     ),
                     compute_dtype,
-                    True,
+                    keep_quantized,
                     pack,
                 )
         exact = _use_cpu_kernel(compute_dtype, keep_quantized) and native.library()
@@ -294,11 +301,15 @@ class Embedding:
         # packed for the GPU matmul only if it also serves as the (tied) lm_head
         self.linear = Linear(weight, compute_dtype, keep_quantized, pack=False)
         self.compute_dtype = compute_dtype
+        # rows are gathered from the quantized codes when the table stays quantized (on the
+        # GPU, or under the CPU's quantized matmul)
+        self.codes = weight if isinstance(weight, QuantizedWeight) and self.linear.w is None \
+            else None
 
     def __call__(self, tokens: mx.array) -> mx.array:
         lin = self.linear
-        if lin.q is not None:
-            q = lin.q
+        if self.codes is not None:
+            q = self.codes
             return mx.dequantize(
                 q.weight[tokens], q.scales[tokens], q.biases[tokens], group_size=q.group_size,
                 bits=q.bits,
