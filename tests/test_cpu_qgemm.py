@@ -91,6 +91,8 @@ def test_row_results_do_not_depend_on_the_batch(lib: ctypes.CDLL, bits: int) -> 
     m = cpu_qgemm.QMatrix(q, lib)
     x = _rows(300, 640, seed=6)
     full = m.host(x)
+    # the one-call path (quantize + matmul in one parallel region) and the two-step one
+    assert np.array_equal(full, m.host_rows(cpu_qgemm.quantize_rows(lib, x)))
     for rows in (*range(1, 13), 31, 64, 256):
         for start in (0, 1, 40):
             part = m.host(cpu_gemm.aligned_copy(x[start : start + rows]))

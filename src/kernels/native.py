@@ -48,6 +48,8 @@ _SIGNATURES = {
     "slot_quantize_rows": [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr],
     "slot_qgemm": [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, ctypes.c_int,
                    ctypes.c_int, _c_i64, _c_ptr],
+    "slot_qgemm_f32": [_c_ptr, _c_i64, _c_i64, _c_ptr, ctypes.c_int, ctypes.c_int, _c_i64,
+                       _c_ptr],
 }
 
 

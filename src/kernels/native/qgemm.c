@@ -40,6 +40,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -67,43 +68,48 @@ static inline int64_t block_bytes(int bits, int f16) {
   return (bits == 4 ? 256 : 512) + 2 * PANEL * (f16 ? 2 : 4);
 }
 
-/* Plain C so the compiler vectorizes it for every target with the same IEEE operations:
- * |x| is compared as integer bits (exact and order-free, where a float max reduction
- * would not vectorize without fast-math), the division is correctly rounded everywhere
- * and rintf rounds half to even in the default mode. Never a reciprocal estimate. */
+/* Block i (32 floats at x + 32 i) to int8. Plain C so the compiler vectorizes it for
+ * every target with the same IEEE operations: |x| is compared as integer bits (exact and
+ * order-free, where a float max reduction would not vectorize without fast-math), the
+ * division is correctly rounded everywhere and rintf rounds half to even in the default
+ * mode. Never a reciprocal estimate. */
+static inline void quantize_block(const float *x, int64_t i, int8_t *xq, float *d, float *dxs,
+                                  int32_t *xs) {
+  const float *src = x + i * QB;
+  int8_t *dst = xq + i * QB;
+  uint32_t m = 0;
+  for (int t = 0; t < QB; t++) {
+    uint32_t u;
+    memcpy(&u, src + t, sizeof u);
+    u &= 0x7fffffffu;
+    m = u > m ? u : m;
+  }
+  float amax;
+  memcpy(&amax, &m, sizeof amax);
+  const float dd = amax / 127.0f;
+  int32_t sum = 0;
+  if (dd == 0.0f) { /* also when amax is so small that amax/127 underflows */
+    memset(dst, 0, QB);
+  } else {
+    /* |x/d| <= 127 * (1 + 2^-23) rounds to at most 127: no clamp needed */
+    for (int t = 0; t < QB; t++) {
+      const int32_t q = (int32_t)rintf(src[t] / dd);
+      dst[t] = (int8_t)q;
+      sum += q;
+    }
+  }
+  d[i] = dd;
+  xs[i] = sum;
+  dxs[i] = dd * (float)sum;
+}
+
+/* x [R, K] -> xq [R, K], and per block of 32: d, dxs, xs [R, K/32] (top of file). */
 int slot_quantize_rows(const float *x, int64_t R, int64_t K, int8_t *xq, float *d, float *dxs,
                        int32_t *xs) {
   if (K % QB != 0 || R < 0) return -1;
   const int64_t blocks = R * (K / QB);
 #pragma omp parallel for schedule(static) if (blocks >= 4096)
-  for (int64_t i = 0; i < blocks; i++) {
-    const float *src = x + i * QB;
-    int8_t *dst = xq + i * QB;
-    uint32_t m = 0;
-    for (int t = 0; t < QB; t++) {
-      uint32_t u;
-      memcpy(&u, src + t, sizeof u);
-      u &= 0x7fffffffu;
-      m = u > m ? u : m;
-    }
-    float amax;
-    memcpy(&amax, &m, sizeof amax);
-    const float dd = amax / 127.0f;
-    int32_t sum = 0;
-    if (dd == 0.0f) { /* also when amax is so small that amax/127 underflows */
-      memset(dst, 0, QB);
-    } else {
-      /* |x/d| <= 127 * (1 + 2^-23) rounds to at most 127: no clamp needed */
-      for (int t = 0; t < QB; t++) {
-        const int32_t q = (int32_t)rintf(src[t] / dd);
-        dst[t] = (int8_t)q;
-        sum += q;
-      }
-    }
-    d[i] = dd;
-    xs[i] = sum;
-    dxs[i] = dd * (float)sum;
-  }
+  for (int64_t i = 0; i < blocks; i++) quantize_block(x, i, xq, d, dxs, xs);
   return 0;
 }
 
@@ -111,7 +117,7 @@ int slot_quantize_rows(const float *x, int64_t R, int64_t K, int8_t *xq, float *
 #if defined(QG_AVX512)
 /* 16 output rows per zmm lane set. 8 weight registers per block stay live while up to
  * RT activation rows pass over them; 32 registers hold them plus RT accumulators. */
-enum { RT = 8 };
+#define QG_RT 8
 
 static inline __m512i bcast4(const int8_t *p) {
   int32_t v;
@@ -129,16 +135,10 @@ static inline __attribute__((always_inline)) void panel4(const qrows *x, int64_t
                                                          float out[][PANEL]) {
   const int64_t bs = block_bytes(4, f16), ss = PANEL * (f16 ? 2 : 4);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[RT];
+  __m512 acc[QG_RT];
   for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x->nb; b++) {
     const uint8_t *blk = panel + b * bs;
-    /* a panel is read from memory once, the next one streams in meanwhile */
-    _mm_prefetch((const char *)blk + 4 * bs, _MM_HINT_T0);
-    _mm_prefetch((const char *)blk + 4 * bs + 64, _MM_HINT_T0);
-    _mm_prefetch((const char *)blk + 4 * bs + 128, _MM_HINT_T0);
-    _mm_prefetch((const char *)blk + 4 * bs + 192, _MM_HINT_T0);
-    _mm_prefetch((const char *)blk + 4 * bs + 256, _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int c = 0; c < 4; c++) {
       const __m512i raw = _mm512_load_si512((const void *)(blk + 64 * c));
@@ -181,11 +181,10 @@ static inline __attribute__((always_inline)) void panel8(const qrows *x, int64_t
                                                          const uint8_t *panel, const int f16,
                                                          float out[][PANEL]) {
   const int64_t bs = block_bytes(8, f16), ss = PANEL * (f16 ? 2 : 4);
-  __m512 acc[RT];
+  __m512 acc[QG_RT];
   for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x->nb; b++) {
     const uint8_t *blk = panel + b * bs;
-    for (int l = 0; l < 9; l++) _mm_prefetch((const char *)blk + 4 * bs + 64 * l, _MM_HINT_T0);
     const __m512 ws = load16(blk + 512, f16), wt = load16(blk + 512 + ss, f16);
 #if defined(__AVX512VNNI__)
     /* dpbusd wants unsigned bytes: c + 128 = c ^ 0x80; the 128 * xs it adds is taken
@@ -235,9 +234,10 @@ static inline __attribute__((always_inline)) void panel8(const qrows *x, int64_t
 
 /* ------------------------------------------------------------------------------------ */
 #elif defined(QG_AVX2)
-/* 8 output rows per ymm: a panel is done as two halves. 16 registers: RT accumulators,
- * RT block sums and the two unpacked weight vectors of the current chunk. */
-enum { RT = 4 };
+/* 8 output rows per ymm: a panel is done as two halves. 16 registers hold RT accumulators,
+ * RT block sums and the two unpacked weight vectors of the current chunk (6 rows, with
+ * some accumulators in memory, measured the same at 32 rows and slower at 8). */
+#define QG_RT 4
 
 /* An empty asm that "changes" v, so each sum is complete before the next chunk: GCC
  * otherwise hoists every product of a block ahead of the adds and spills half of them
@@ -266,14 +266,11 @@ static inline __attribute__((always_inline)) void half4(const qrows *x, int64_t 
                                                         const int h, float out[][PANEL]) {
   const int64_t bs = block_bytes(4, f16), ss = PANEL * (f16 ? 2 : 4);
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[RT];
+  __m256 acc[QG_RT];
   for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x->nb; b++) {
     const uint8_t *blk = panel + b * bs;
-    if (h == 0) {
-      for (int l = 0; l < 5; l++) _mm_prefetch((const char *)blk + 4 * bs + 64 * l, _MM_HINT_T0);
-    }
-    __m256i s[RT];
+    __m256i s[QG_RT];
     for (int c = 0; c < 4; c++) {
       const __m256i raw = _mm256_load_si256((const __m256i *)(blk + 64 * c + 32 * h));
       const __m256i lo = _mm256_and_si256(raw, m4);
@@ -314,14 +311,11 @@ static inline __attribute__((always_inline)) void half8(const qrows *x, int64_t 
                                                         const uint8_t *panel, const int f16,
                                                         const int h, float out[][PANEL]) {
   const int64_t bs = block_bytes(8, f16), ss = PANEL * (f16 ? 2 : 4);
-  __m256 acc[RT];
+  __m256 acc[QG_RT];
   for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x->nb; b++) {
     const uint8_t *blk = panel + b * bs;
-    if (h == 0) {
-      for (int l = 0; l < 9; l++) _mm_prefetch((const char *)blk + 4 * bs + 64 * l, _MM_HINT_T0);
-    }
-    __m256i s[RT];
+    __m256i s[QG_RT];
     for (int r = 0; r < nr; r++) {
 #if defined(QG_DPBUSD256)
       /* unsigned c + 128 in dpbusd; the 128 * xs is taken off up front */
@@ -379,7 +373,7 @@ static inline __attribute__((always_inline)) void panel8(const qrows *x, int64_t
 #elif defined(QG_NEON)
 /* 4 output rows per q register: a panel is done as four quarters, each block's 8 weight
  * vectors kept in registers while RT activation rows pass over them (32 registers). */
-enum { RT = 8 };
+#define QG_RT 8
 
 static inline float32x4_t load4(const uint8_t *p, const int f16) {
   return f16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p)))
@@ -389,8 +383,9 @@ static inline float32x4_t load4(const uint8_t *p, const int f16) {
 #if defined(__ARM_FEATURE_DOTPROD)
 #define QG_SDOT(acc, w, xv, lane) vdotq_laneq_s32(acc, w, xv, lane)
 #else
-/* lane j += sum over t of w[4j+t] * xv[4*lane+t], from widening multiplies */
-static inline int32x4_t sdot_emul(int32x4_t acc, int8x16_t w, int8x16_t xv, const int lane) {
+/* lane j += sum over t of w[4j+t] * xv[4*lane+t], from widening multiplies (inlined, so
+ * the switch on the constant lane folds away) */
+static inline __attribute__((always_inline)) int32x4_t sdot_emul(int32x4_t acc, int8x16_t w, int8x16_t xv, const int lane) {
   int8x16_t xl;
   switch (lane) {
     case 0: xl = vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(xv), 0)); break;
@@ -411,7 +406,7 @@ static inline __attribute__((always_inline)) void quarter(const qrows *x, int64_
                                                           const int qt, float out[][PANEL]) {
   const int64_t bs = block_bytes(bits, f16), ss = PANEL * (f16 ? 2 : 4);
   const int64_t cb = bits == 4 ? 256 : 512;
-  float32x4_t acc[RT];
+  float32x4_t acc[QG_RT];
   for (int r = 0; r < nr; r++) acc[r] = vdupq_n_f32(0.0f);
   for (int64_t b = 0; b < x->nb; b++) {
     const uint8_t *blk = panel + b * bs;
@@ -464,7 +459,7 @@ static inline __attribute__((always_inline)) void panel8(const qrows *x, int64_t
 /* ------------------------------------------------------------------------------------ */
 #else
 /* Portable C: the reference the vector paths must match bit for bit. */
-enum { RT = 4 };
+#define QG_RT 4
 
 static inline float load1(const uint8_t *p, int j, const int f16) {
   if (f16) {
@@ -514,58 +509,106 @@ static void panel_any(const qrows *x, int64_t r0, int nr, const uint8_t *panel, 
 /* ------------------------------------------------------------------------------------ */
 /* One instance per (bits, scale type, rows in the tile): with nr a compile-time constant
  * the accumulators stay in registers. */
-#define QG_TILE(name, panelfn, f16)                                                         \
-  static void name(const qrows *x, int64_t r0, int nr, const uint8_t *p, float out[][PANEL]) { \
-    switch (nr) {                                                                          \
-      case 1: panelfn(x, r0, 1, p, f16, out); break;                                       \
-      case 2: panelfn(x, r0, 2, p, f16, out); break;                                       \
-      case 3: panelfn(x, r0, 3, p, f16, out); break;                                       \
-      QG_TILE_MORE(panelfn, f16)                                                           \
-      default: panelfn(x, r0, RT, p, f16, out); break;                                     \
-    }                                                                                      \
-  }
-#define QG_TILE_4(panelfn, f16)
-#define QG_TILE_8(panelfn, f16)                                                            \
-  case 4: panelfn(x, r0, 4, p, f16, out); break;                                           \
-  case 5: panelfn(x, r0, 5, p, f16, out); break;                                           \
-  case 6: panelfn(x, r0, 6, p, f16, out); break;                                           \
-  case 7: panelfn(x, r0, 7, p, f16, out); break;
-
-#if defined(QG_AVX512) || defined(QG_NEON)
-#define QG_TILE_MORE QG_TILE_8
-#else
-#define QG_TILE_MORE QG_TILE_4
+static inline __attribute__((always_inline)) void by_rows(const qrows *x, int64_t r0, int nr,
+                                                          const uint8_t *p, const int bits,
+                                                          const int f16, float out[][PANEL]) {
+#define QG_ROWS(n)                                  \
+  if (bits == 4) panel4(x, r0, n, p, f16, out);     \
+  else panel8(x, r0, n, p, f16, out);               \
+  break;
+  switch (nr) {
+    case 1: QG_ROWS(1)
+    case 2: QG_ROWS(2)
+    case 3: QG_ROWS(3)
+#if QG_RT > 4
+    case 4: QG_ROWS(4)
+    case 5: QG_ROWS(5)
 #endif
+#if QG_RT > 6
+    case 6: QG_ROWS(6)
+    case 7: QG_ROWS(7)
+#endif
+    default: QG_ROWS(QG_RT)
+  }
+#undef QG_ROWS
+}
 
-QG_TILE(tile4_f32, panel4, 0)
-QG_TILE(tile4_f16, panel4, 1)
-QG_TILE(tile8_f32, panel8, 0)
-QG_TILE(tile8_f16, panel8, 1)
+static void tile4_f32(const qrows *x, int64_t r0, int nr, const uint8_t *p, float out[][PANEL]) {
+  by_rows(x, r0, nr, p, 4, 0, out);
+}
+static void tile4_f16(const qrows *x, int64_t r0, int nr, const uint8_t *p, float out[][PANEL]) {
+  by_rows(x, r0, nr, p, 4, 1, out);
+}
+static void tile8_f32(const qrows *x, int64_t r0, int nr, const uint8_t *p, float out[][PANEL]) {
+  by_rows(x, r0, nr, p, 8, 0, out);
+}
+static void tile8_f16(const qrows *x, int64_t r0, int nr, const uint8_t *p, float out[][PANEL]) {
+  by_rows(x, r0, nr, p, 8, 1, out);
+}
 
 typedef void (*tile_fn)(const qrows *, int64_t, int, const uint8_t *, float[][PANEL]);
 
-/* y [R, N] = dequant(W) applied to the quantized rows (xq, d, dxs, xs from
- * slot_quantize_rows); w: the panels described at the top, N rounded up to 16 inside.
- * Work is split over threads by panels (static schedule): a thread reads its panels'
- * weights once, for all R rows. */
-int slot_qgemm(const int8_t *xq, const float *d, const float *dxs, const int32_t *xs, int64_t R,
-               int64_t K, const uint8_t *w, int bits, int f16, int64_t N, float *y) {
-  if (K % QB != 0 || K <= 0 || R < 0 || N < 0 || (bits != 4 && bits != 8) ||
-      (f16 != 0 && f16 != 1) || ((uintptr_t)w & 63) != 0) {
-    return -1;
-  }
-  const qrows x = {xq, d, dxs, xs, K, K / QB};
+static int bad_args(int64_t R, int64_t K, const uint8_t *w, int bits, int f16, int64_t N) {
+  return K % QB != 0 || K <= 0 || R < 0 || N < 0 || (bits != 4 && bits != 8) ||
+         (f16 != 0 && f16 != 1) || ((uintptr_t)w & 63) != 0;
+}
+
+/* Big enough to be worth waking the second thread (~2 us on this 2-core machine). */
+static int parallel_worth(int64_t R, int64_t K, int64_t N) {
+  return N > PANEL && R * N * K >= (1 << 17);
+}
+
+/* The panels of this thread (inside a parallel region) or all of them (outside one).
+ * Split by panels, static schedule: a thread reads its panels' weights once, for all R
+ * rows, as one sequential stream. No software prefetch: the hardware prefetchers follow
+ * that stream, and explicit prefetches cost 20-30 % of the DRAM bandwidth of a one-row
+ * (decode) call on Zen 4. */
+static void gemm_panels(const qrows *x, int64_t R, const uint8_t *w, int bits, int f16,
+                        int64_t N, float *y) {
   const tile_fn tile = bits == 4 ? (f16 ? tile4_f16 : tile4_f32) : (f16 ? tile8_f16 : tile8_f32);
-  const int64_t panels = (N + PANEL - 1) / PANEL, pstride = x.nb * block_bytes(bits, f16);
-#pragma omp parallel for schedule(static) if (panels > 1 && R * N * K >= (1 << 17))
+  const int64_t panels = (N + PANEL - 1) / PANEL, pstride = x->nb * block_bytes(bits, f16);
+#pragma omp for schedule(static)
   for (int64_t p = 0; p < panels; p++) {
     const int nw = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
-    float out[RT][PANEL] __attribute__((aligned(64)));
-    for (int64_t r0 = 0; r0 < R; r0 += RT) {
-      const int nr = R - r0 < RT ? (int)(R - r0) : RT;
-      tile(&x, r0, nr, w + p * pstride, out);
+    float out[QG_RT][PANEL] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < R; r0 += QG_RT) {
+      const int nr = R - r0 < QG_RT ? (int)(R - r0) : QG_RT;
+      tile(x, r0, nr, w + p * pstride, out);
       for (int r = 0; r < nr; r++) memcpy(y + (r0 + r) * N + p * PANEL, out[r], sizeof(float) * nw);
     }
   }
+}
+
+/* y [R, N] = dequant(W) applied to rows already quantized by slot_quantize_rows (so
+ * several matrices can share them); w: the panels described at the top. */
+int slot_qgemm(const int8_t *xq, const float *d, const float *dxs, const int32_t *xs, int64_t R,
+               int64_t K, const uint8_t *w, int bits, int f16, int64_t N, float *y) {
+  if (bad_args(R, K, w, bits, f16, N)) return -1;
+  const qrows x = {xq, d, dxs, xs, K, K / QB};
+#pragma omp parallel if (parallel_worth(R, K, N))
+  gemm_panels(&x, R, w, bits, f16, N, y);
+  return 0;
+}
+
+/* y [R, N] = dequant(W) x for float rows x [R, K]: quantization and matmul in one call
+ * and one parallel region (a decode step's matmul is ~5 us; each Python-to-C call and
+ * thread wake-up saved is a visible part of that). */
+int slot_qgemm_f32(const float *xf, int64_t R, int64_t K, const uint8_t *w, int bits, int f16,
+                   int64_t N, float *y) {
+  if (bad_args(R, K, w, bits, f16, N)) return -1;
+  const int64_t nb = K / QB, blocks = R * nb;
+  void *buf = NULL;
+  if (posix_memalign(&buf, 64, (size_t)(R * K + 12 * blocks) + 64) != 0) return -2;
+  int8_t *xq = buf;
+  float *d = (float *)(xq + R * K), *dxs = d + blocks;
+  int32_t *xs = (int32_t *)(dxs + blocks);
+  const qrows x = {xq, d, dxs, xs, K, nb};
+#pragma omp parallel if (parallel_worth(R, K, N))
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < blocks; i++) quantize_block(xf, i, xq, d, dxs, xs);
+    gemm_panels(&x, R, w, bits, f16, N, y);
+  }
+  free(buf);
   return 0;
 }
