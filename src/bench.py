@@ -55,14 +55,16 @@ def prompt_ids(engine: Engine, i: int, target: int) -> list[int]:
 
 
 async def run_streams(engine: Engine, n: int, prompt_tokens: int, new_tokens: int,
-                      offset: int = 0) -> dict[str, Any]:
+                      offset: int = 0, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """N concurrent streams; `sampling` (temperature, top_p, top_k, seed) or greedy."""
     ttfts: list[float] = []
     gaps: list[float] = []
     produced = [0] * n
 
     async def one(k: int) -> None:
+        opts = sampling or {"temperature": 0.0}
         req = engine.make_request(prompt_ids(engine, offset + k, prompt_tokens),
-                                  max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+                                  max_tokens=new_tokens, ignore_eos=True, **opts)
         t0 = time.perf_counter()
         last = None
         async for d in engine.generate(req):
@@ -170,6 +172,13 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     streams = [int(x) for x in str(args.streams).split(",") if x]
+    sampling = None
+    if getattr(args, "temperature", 0.0):  # sampled decoding, seeded per request
+        sampling = {"temperature": args.temperature, "seed": 1234}
+        if args.top_p is not None:
+            sampling["top_p"] = args.top_p
+        if args.top_k is not None:
+            sampling["top_k"] = args.top_k
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -185,6 +194,7 @@ def main(args: argparse.Namespace) -> int:
                 "model": str(engine.loaded.path.name),  # type: ignore[union-attr]
                 "device": engine.loaded.device,  # type: ignore[union-attr]
                 "load_s": round(load_s, 2),
+                "sampling": sampling or {"temperature": 0.0},
                 "invariance": vars(engine.loaded.invariance)  # type: ignore[union-attr]
                 if engine.loaded.invariance else None,  # type: ignore[union-attr]
             }
@@ -195,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
                 rows = []
                 for i, n in enumerate(streams):
                     r = await run_streams(engine, n, args.prompt_tokens, args.new_tokens,
-                                          offset=100 * (i + 1))
+                                          offset=100 * (i + 1), sampling=sampling)
                     rows.append(r)
                     print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
                 info["concurrency"] = rows

@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--single", action="store_true",
                    help="single-stream numbers only: decode, 512-token prefill, RSS, load")
     b.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sampled decoding (seeded) instead of greedy")
+    b.add_argument("--top-p", type=float, default=None)
+    b.add_argument("--top-k", type=int, default=None)
     b.set_defaults(fn=cmd_bench)
 
     # --- synth (random-weight checkpoints of real model shapes; see slotserve.synth) ---
