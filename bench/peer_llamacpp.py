@@ -524,9 +524,14 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, float | None, float | Non
     flag_1 = " **(contended)**" if contended(res, "llama-bench", "slotserve bench") else ""
     rows: list[tuple[str, float | None, float | None, str]] = []
     for n in res["params"]["streams"]:
-        rows.append((f"decode (TG), N={n}", batched[n]["tg_tok_s"],
+        step = conc.get(n, {}).get("step_ms")
+        rows.append((f"decode, N={n}", batched[n]["tg_tok_s"],
+                     n * 1000 / step if step else None,
+                     f"N streams of {p}-token prompts, {g} new tokens each{flag_tg}"))
+    for n in res["params"]["streams"]:
+        rows.append((f"end to end, N={n}", batched[n]["tok_s"],
                      conc.get(n, {}).get("aggregate_tok_s"),
-                     f"{p}-token prompts, {g} new tokens each{flag_tg}"))
+                     f"the same, prefill included{flag_tg}"))
     single = ss["single"]["single"]
     rows.append(("prefill (PP512), N=1", lb["bench"]["pp512"]["avg_ts"],
                  single.get("prefill_512_tok_s"), f"512-token prompt{flag_1}"))
@@ -569,21 +574,19 @@ def report(res: dict[str, Any], level: int = 1) -> str:
     if busy:
         lines += ["", f"**Other work ran during {', '.join(busy)}: the rows marked contended "
                   "are not valid measurements; run again on a quiet machine (`--wait-idle`).**"]
-    conc = ss["concurrency"]["concurrency"]
-    steady = ", ".join(
-        f"N={r['streams']}: {r['streams'] * 1000 / r['step_ms']:,.1f}" for r in conc
-        if r.get("step_ms"))
     pp_n = ", ".join(f"N={int(r['pl'])}: {r['pp_tok_s']:,.1f}" for r in lb["batched"]["rows"])
     lines += [
         "",
-        "What the numbers are: llama.cpp TG = `llama-batched-bench` S_TG (N sequences decoded in "
-        "one batch per step, prefill excluded); slotserve TG = `slotserve bench` aggregate tok/s "
-        "(all tokens of N streams over the wall time from the first request to the last token, "
-        "prefill and TTFT included, through the engine). PP512 and tg64 = `llama-bench` "
-        "vs `slotserve bench --single` (prefill of one 512-token prompt; decode tok/s from the "
-        "median inter-token gap).",
+        "What the numbers are. decode: llama.cpp = `llama-batched-bench` S_TG (N sequences "
+        "decoded together, one batch a step, prefill excluded); slotserve = N x 1000 / its "
+        "median step time in `slotserve bench` (N streams through the engine, one fused step "
+        "a tick). end to end: llama.cpp = batched-bench's S (all prompt and generated tokens "
+        "over the whole time); slotserve = `slotserve bench` aggregate (generated tokens of "
+        "the N streams over the wall time from the first request to the last token, prefill "
+        "and TTFT included: it counts fewer tokens than S for the same work). PP512 and tg64 "
+        "= `llama-bench` against `slotserve bench --single` (prefill of one 512-token prompt; "
+        "decode tok/s from the median inter-token gap).",
         "",
-        f"Also measured: slotserve steady decode (N x 1000 / median step ms): {steady or 'n/a'}; "
         f"llama.cpp batched prefill (N x {res['params']['prompt_tokens']} tokens) t/s: {pp_n}.",
     ]
     mem = res.get("memory")
