@@ -529,7 +529,8 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, float | None, float | Non
                      n * 1000 / step if step else None,
                      f"N streams of {p}-token prompts, {g} new tokens each{flag_tg}"))
     for n in res["params"]["streams"]:
-        rows.append((f"end to end, N={n}", batched[n]["tok_s"],
+        b = batched[n]
+        rows.append((f"end to end, N={n}", b["pl"] * b["tg"] / b["t_s"] if b["t_s"] else None,
                      conc.get(n, {}).get("aggregate_tok_s"),
                      f"the same, prefill included{flag_tg}"))
     single = ss["single"]["single"]
@@ -580,12 +581,11 @@ def report(res: dict[str, Any], level: int = 1) -> str:
         "What the numbers are. decode: llama.cpp = `llama-batched-bench` S_TG (N sequences "
         "decoded together, one batch a step, prefill excluded); slotserve = N x 1000 / its "
         "median step time in `slotserve bench` (N streams through the engine, one fused step "
-        "a tick). end to end: llama.cpp = batched-bench's S (all prompt and generated tokens "
-        "over the whole time); slotserve = `slotserve bench` aggregate (generated tokens of "
-        "the N streams over the wall time from the first request to the last token, prefill "
-        "and TTFT included: it counts fewer tokens than S for the same work). PP512 and tg64 "
-        "= `llama-bench` against `slotserve bench --single` (prefill of one 512-token prompt; "
-        "decode tok/s from the median inter-token gap).",
+        "a tick). end to end: generated tokens of the N sequences over the whole time, "
+        "prefill included (llama.cpp: N x TG / batched-bench's T; slotserve: `slotserve "
+        "bench` aggregate, from the first request to the last token, through the engine). "
+        "PP512 and tg64 = `llama-bench` against `slotserve bench --single` (prefill of one "
+        "512-token prompt; decode tok/s from the median inter-token gap).",
         "",
         f"llama.cpp batched prefill (N x {res['params']['prompt_tokens']} tokens) t/s: {pp_n}.",
     ]
@@ -689,7 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     print(md, flush=True)
     say(f"wrote {out / 'peer.json'} and {out / 'peer.md'}")
     if args.update_docs:
-        update_docs(ROOT / "docs" / "benchmarks.md", cpu["kind"], report(res, level=3))
+        # one section per machine kind and prompt length (64 tokens: the plain kind)
+        key = cpu["kind"] + ("" if args.prompt_tokens == 64 else f"-prompt{args.prompt_tokens}")
+        update_docs(ROOT / "docs" / "benchmarks.md", key, report(res, level=3))
     return 0
 
 

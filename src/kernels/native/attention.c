@@ -1,14 +1,22 @@
 /* Causal attention on the CPU, straight out of slotserve's paged KV pool.
  *
- * One work item per (batch row, query head): the row's query against the keys of
- * its own slot at positions lo..pos (pos = the row's absolute position; lo = 0, or
- * pos - window + 1 for sliding-window layers). Each item runs the same arithmetic
- * whatever else is in the batch, whether the row is a decode token or one token of
- * a prefill chunk, and whatever the slot's capacity:
+ * Each query (a batch row and a query head) attends to the keys of its own slot at
+ * positions lo..pos (pos = the row's absolute position; lo = 0, or pos - window + 1 for
+ * sliding-window layers), with the same arithmetic whatever else is in the batch,
+ * whether the row is a decode token or one token of a prefill chunk, and whatever the
+ * slot's capacity:
  *   score_j = hsum(sum over D/16 lane FMAs of q*k_j) * scale   (scale includes log2 e)
  *   p_j     = exp2(score_j - max)     (exp2_neg in vec.h; under 2^-64 -> exact 0)
  *   out     = (sum_j p_j v_j in key order) / (sum_j p_j in 16 lanes, then hsum)
  * so batch invariance holds by construction; the start-up probe re-checks it.
+ *
+ * Work is split into items of one kv head and a tile of up to TILE_ROWS consecutive rows
+ * of one slot at consecutive positions (a prefill chunk; a decode row is a tile of one).
+ * An item runs the group's query heads of all its rows together, so each key and value
+ * vector is read once for up to TILE_ROWS x group queries instead of once per query:
+ * long contexts are bound by those reads (a slot's f32 K/V at 4k tokens is 6 MB a layer,
+ * more than L2). The tiling only shares loads: every query still runs the operations
+ * above, in the same order, so the results are the same bits as one query at a time.
  *
  * Pool layout (slotserve.model.kv): [blocks, BLOCK, D] float32, a block being one
  * (page, kv head). tables[t, j, h] = block holding positions j*BLOCK.. of kv head h
@@ -17,74 +25,182 @@
  */
 #include "vec.h"
 
-enum { BLOCK = 128 };
+enum { BLOCK = 128, TILE_ROWS = 4, MAX_CHUNKS = 32, KEY_BLOCK = 64 };
+
+static inline const float *pool_row(const float *pool, const int32_t *table, int64_t Hkv,
+                                    int64_t h, int64_t j, int64_t D) {
+  return pool + ((int64_t)table[(j / BLOCK) * Hkv + h] * BLOCK + j % BLOCK) * D;
+}
+
+/* o0 += sum over n consecutive keys of p0[j] * v[j] (rows 16 * nch floats apart), in key
+ * order, and with two, o1 likewise from p1 over the same keys. */
+static inline __attribute__((always_inline)) void pv_run(const float *p0, const float *p1,
+                                                         const float *v, int64_t n, vfloat *o0,
+                                                         vfloat *o1, const int nch,
+                                                         const int two) {
+  vfloat r0[MAX_CHUNKS], r1[MAX_CHUNKS];
+  for (int c = 0; c < nch; c++) r0[c] = o0[c];
+  if (two)
+    for (int c = 0; c < nch; c++) r1[c] = o1[c];
+  for (int64_t j = 0; j < n; j++) {
+    const float *vj = v + j * nch * LANES;
+    if (p0[j] != 0.0f) {
+      const vfloat pv = vsplat(p0[j]);
+      for (int c = 0; c < nch; c++) r0[c] = vfma(pv, vload(vj + c * LANES), r0[c]);
+    }
+    if (two && p1[j] != 0.0f) {
+      const vfloat pv = vsplat(p1[j]);
+      for (int c = 0; c < nch; c++) r1[c] = vfma(pv, vload(vj + c * LANES), r1[c]);
+    }
+  }
+  for (int c = 0; c < nch; c++) o0[c] = r0[c];
+  if (two)
+    for (int c = 0; c < nch; c++) o1[c] = r1[c];
+}
 
 int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int64_t Hkv,
                    int64_t D, float scale,
                    int64_t window, const float *kpool, const float *vpool,
                    const int32_t *tables, int64_t nbmax, const int32_t *row_table,
                    const int32_t *row_pos, float *out) {
-  if (D % LANES != 0 || Hq % Hkv != 0 || D > 512) return -1;
-  const int64_t group = Hq / Hkv, chunks = D / LANES, items = R * Hq;
+  if (D % LANES != 0 || Hq % Hkv != 0 || D > LANES * MAX_CHUNKS) return -1;
+  const int64_t group = Hq / Hkv, chunks = D / LANES;
+  /* tiles: runs of rows of one table at consecutive positions, at most TILE_ROWS long */
+  int64_t *tile_start = malloc(sizeof(int64_t) * (R + 1));
+  if (tile_start == NULL) return -2;
+  int64_t tiles = 0;
+  for (int64_t r = 0; r < R; r++) {
+    int fresh = r == 0 || row_table[r] < 0 || row_table[r] != row_table[r - 1] ||
+                row_pos[r] != row_pos[r - 1] + 1 || r - tile_start[tiles - 1] >= TILE_ROWS;
+    if (fresh) tile_start[tiles++] = r;
+  }
+  tile_start[tiles] = R;
+  const int64_t nq_max = TILE_ROWS * group, stride = nbmax * BLOCK + LANES;
+  const int64_t items = tiles * Hkv;
   int failed = 0;
 #pragma omp parallel reduction(| : failed)
   {
-    float *scores = NULL;
-    if (posix_memalign((void **)&scores, 64, sizeof(float) * (nbmax * BLOCK + LANES)) != 0) {
+    float *scores = NULL, *best = malloc(sizeof(float) * nq_max),
+          *denom = malloc(sizeof(float) * nq_max);
+    int64_t *lo = malloc(sizeof(int64_t) * nq_max), *pos = malloc(sizeof(int64_t) * nq_max);
+    vfloat *qv = NULL, *acc = NULL;
+    if (posix_memalign((void **)&scores, 64, sizeof(float) * stride * nq_max) != 0 ||
+        posix_memalign((void **)&qv, 64, sizeof(vfloat) * chunks * nq_max) != 0 ||
+        posix_memalign((void **)&acc, 64, sizeof(vfloat) * chunks * nq_max) != 0 ||
+        !best || !denom || !lo || !pos) {
       failed = 1;
     }
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
       if (failed) continue;
-      const int64_t r = it / Hq, hq = it % Hq, h = hq / group;
-      float *o = out + it * D;
-      const int32_t t = row_table[r];
-      if (t < 0) {
-        memset(o, 0, sizeof(float) * D);
+      const int64_t tile = it / Hkv, h = it % Hkv;
+      const int64_t r0 = tile_start[tile], rows = tile_start[tile + 1] - r0;
+      const int32_t t = row_table[r0];
+      const int64_t nq = rows * group;
+      if (t < 0) { /* a padding row (tiles of one) */
+        memset(out + (r0 * Hq + h * group) * D, 0, sizeof(float) * group * D);
         continue;
       }
-      const int64_t pos = row_pos[r];
-      const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
       const int32_t *table = tables + (int64_t)t * nbmax * Hkv;
-      vfloat qv[32];
-      const float *qrow = q + r * q_stride + hq * D;
-      for (int64_t c = 0; c < chunks; c++) qv[c] = vload(qrow + c * LANES);
+      int64_t jlo = INT64_MAX, jhi = -1;
+      for (int64_t i = 0; i < nq; i++) { /* query i: row r0 + i / group, head h * group + i % group */
+        const int64_t r = r0 + i / group, hq = h * group + i % group;
+        pos[i] = row_pos[r];
+        lo[i] = window > 0 && pos[i] - window + 1 > 0 ? pos[i] - window + 1 : 0;
+        jlo = lo[i] < jlo ? lo[i] : jlo;
+        jhi = pos[i] > jhi ? pos[i] : jhi;
+        best[i] = -__builtin_inff();
+        const float *qrow = q + r * q_stride + hq * D;
+        for (int64_t c = 0; c < chunks; c++) qv[i * chunks + c] = vload(qrow + c * LANES);
+      }
       /* scores, in key order */
-      float best = -__builtin_inff();
-      for (int64_t j = lo; j <= pos; j++) {
-        const float *k = kpool + ((int64_t)table[(j / BLOCK) * Hkv + h] * BLOCK + j % BLOCK) * D;
-        vfloat acc = vzero();
-        for (int64_t c = 0; c < chunks; c++) acc = vfma(qv[c], vload(k + c * LANES), acc);
-        float s = hsum(acc) * scale;
-        scores[j - lo] = s;
-        best = s > best ? s : best;
+      for (int64_t j = jlo; j <= jhi; j++) {
+        const float *k = pool_row(kpool, table, Hkv, h, j, D);
+        vfloat kv[MAX_CHUNKS];
+        for (int64_t c = 0; c < chunks; c++) kv[c] = vload(k + c * LANES);
+        /* four queries at a time: four independent chains the core overlaps (one chain of
+         * FMAs and an add tree is all latency); a query out of range computes and drops */
+        int64_t i = 0;
+        for (; i + 4 <= nq; i += 4) {
+          vfloat a[4] = {vzero(), vzero(), vzero(), vzero()};
+          for (int64_t c = 0; c < chunks; c++)
+            for (int u = 0; u < 4; u++) a[u] = vfma(qv[(i + u) * chunks + c], kv[c], a[u]);
+          for (int u = 0; u < 4; u++) {
+            if (j < lo[i + u] || j > pos[i + u]) continue;
+            const float s = hsum(a[u]) * scale;
+            scores[(i + u) * stride + (j - lo[i + u])] = s;
+            best[i + u] = s > best[i + u] ? s : best[i + u];
+          }
+        }
+        for (; i < nq; i++) {
+          if (j < lo[i] || j > pos[i]) continue;
+          vfloat a = vzero();
+          for (int64_t c = 0; c < chunks; c++) a = vfma(qv[i * chunks + c], kv[c], a);
+          const float s = hsum(a) * scale;
+          scores[i * stride + (j - lo[i])] = s;
+          best[i] = s > best[i] ? s : best[i];
+        }
       }
       /* weights and their sum: 16 keys at a time, padding lanes at -inf give 0 */
-      const int64_t n = pos - lo + 1;
-      for (int64_t j = n; j < ((n + LANES - 1) / LANES) * LANES; j++) scores[j] = -__builtin_inff();
-      vfloat total = vzero();
-      for (int64_t j = 0; j < n; j += LANES) {
-        vfloat p = exp2_neg(vadd(vload(scores + j), vsplat(-best)));
-        vstore(scores + j, p);
-        total = vadd(total, p);
+      for (int64_t i = 0; i < nq; i++) {
+        float *sc = scores + i * stride;
+        const int64_t n = pos[i] - lo[i] + 1;
+        for (int64_t j = n; j < ((n + LANES - 1) / LANES) * LANES; j++) sc[j] = -__builtin_inff();
+        vfloat total = vzero();
+        for (int64_t j = 0; j < n; j += LANES) {
+          vfloat p = exp2_neg(vadd(vload(sc + j), vsplat(-best[i])));
+          vstore(sc + j, p);
+          total = vadd(total, p);
+        }
+        denom[i] = hsum(total);
+        for (int64_t c = 0; c < chunks; c++) acc[i * chunks + c] = vzero();
       }
-      const float denom = hsum(total);
-      /* out = sum_j p_j v_j / denom */
-      vfloat acc[32];
-      for (int64_t c = 0; c < chunks; c++) acc[c] = vzero();
-      for (int64_t j = 0; j < n; j++) {
-        const float p = scores[j];
-        if (p == 0.0f) continue;
-        const int64_t key = lo + j;
-        const float *v =
-            vpool + ((int64_t)table[(key / BLOCK) * Hkv + h] * BLOCK + key % BLOCK) * D;
-        const vfloat pv = vsplat(p);
-        for (int64_t c = 0; c < chunks; c++) acc[c] = vfma(pv, vload(v + c * LANES), acc[c]);
+      /* out = sum_j p_j v_j / denom, keys in order for every query. Keys in blocks of
+       * KEY_BLOCK (inside one pool block, so contiguous and L1-resident while every query
+       * of the item reads them); each query's accumulators stay in registers over a block */
+      for (int64_t j0 = (jlo / KEY_BLOCK) * KEY_BLOCK; j0 <= jhi; j0 += KEY_BLOCK) {
+        const float *vb = pool_row(vpool, table, Hkv, h, j0, D);
+        for (int64_t i = 0; i < nq;) {
+          const int64_t a = j0 > lo[i] ? j0 : lo[i];
+          const int64_t b = j0 + KEY_BLOCK - 1 < pos[i] ? j0 + KEY_BLOCK - 1 : pos[i];
+          /* a row's query heads share their key range: two at a time, eight independent
+           * FMA chains instead of four (one chain is a key's latency long) */
+          const int pair = i + 1 < nq && (i + 1) / group == i / group;
+          const int64_t next = i + 1 + pair;
+          if (a > b) {
+            i = next;
+            continue;
+          }
+          const float *v = vb + (a - j0) * D;
+          const float *p0 = scores + i * stride + (a - lo[i]);
+          const float *p1 = pair ? scores + (i + 1) * stride + (a - lo[i + 1]) : p0;
+          vfloat *o0 = acc + i * chunks, *o1 = pair ? acc + (i + 1) * chunks : NULL;
+          const int64_t n = b - a + 1;
+          switch (chunks * 2 + pair) { /* common head sizes: accumulators in registers */
+            case 8: pv_run(p0, p1, v, n, o0, o1, 4, 0); break;
+            case 9: pv_run(p0, p1, v, n, o0, o1, 4, 1); break;
+            case 16: pv_run(p0, p1, v, n, o0, o1, 8, 0); break;
+            case 17: pv_run(p0, p1, v, n, o0, o1, 8, 1); break;
+            default: pv_run(p0, p1, v, n, o0, o1, (int)chunks, pair); break;
+          }
+          i = next;
+        }
       }
-      const vfloat inv = vsplat(denom);
-      for (int64_t c = 0; c < chunks; c++) vstore(o + c * LANES, vdiv(acc[c], inv));
+      for (int64_t i = 0; i < nq; i++) {
+        const int64_t r = r0 + i / group, hq = h * group + i % group;
+        float *o = out + (r * Hq + hq) * D;
+        const vfloat inv = vsplat(denom[i]);
+        for (int64_t c = 0; c < chunks; c++) vstore(o + c * LANES, vdiv(acc[i * chunks + c], inv));
+      }
     }
     free(scores);
+    free(qv);
+    free(acc);
+    free(best);
+    free(denom);
+    free(lo);
+    free(pos);
   }
+  free(tile_start);
   return failed ? -2 : 0;
 }
