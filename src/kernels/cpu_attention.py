@@ -48,7 +48,7 @@ def _run(lib: ctypes.CDLL, q: np.ndarray, q_stride: int, r: int, hq: int, hkv: i
     return out
 
 
-def _pool_host(keys: mx.array, values: mx.array) -> tuple[np.ndarray, np.ndarray]:
+def pool_host(keys: mx.array, values: mx.array) -> tuple[np.ndarray, np.ndarray]:
     """The layer's pool arrays as host views (no copy; the kernels read and write them)."""
     mx.eval(keys, values)
     k_host, v_host = np.asarray(keys), np.asarray(values)
@@ -61,7 +61,7 @@ def attend(lib: ctypes.CDLL, q: mx.array, keys: mx.array, values: mx.array, rows
            scale: float, window: int | None) -> mx.array:
     """q: [R, Hq, D] float32; keys/values: the layer's pool arrays [blocks * BLOCK, D]."""
     r, hq, d = q.shape
-    k_host, v_host = _pool_host(keys, values)
+    k_host, v_host = pool_host(keys, values)
     out = _run(lib, to_host(q.reshape(r, hq * d)), hq * d, r, hq, rows.tables.shape[2], d,
                k_host, v_host, rows, scale, window)
     return mx.array(out).reshape(r, hq, d)
@@ -89,7 +89,7 @@ def attention_block(lib: ctypes.CDLL, qkv: HostMatmul, xs: np.ndarray, heads: in
     # q and k heads are adjacent in the row: one RoPE pass over heads + kv_heads
     lib.slot_rope(y.ctypes.data, r, stride, heads + kv_heads, head_dim, rope.cos.ctypes.data,
                   rope.sin.ctypes.data, rows.row_pos.ctypes.data)
-    k_host, v_host = _pool_host(keys, values)
+    k_host, v_host = pool_host(keys, values)
     lib.slot_kv_write(k_host.ctypes.data, v_host.ctypes.data, y.ctypes.data,
                       rows.write_rows.shape[0], stride, heads * head_dim,
                       (heads + kv_heads) * head_dim, kv_heads, head_dim,

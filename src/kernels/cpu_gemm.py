@@ -46,6 +46,15 @@ def to_host(x: mx.array) -> np.ndarray:
     return aligned_copy(h.reshape(-1, h.shape[-1]))
 
 
+class SlotMatrix(ctypes.Structure):
+    """A weight as native/block.c takes it: kind 0 = slot_gemm (wtype f32/f16/bf16),
+    kind 1 = slot_qgemm_f32 (cpu_qgemm's panels; bits, f16 scales)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("wtype", ctypes.c_int64), ("bits", ctypes.c_int64), ("f16", ctypes.c_int64),
+                ("w", ctypes.c_void_p)]
+
+
 class HostMatmul(Protocol):
     """y = x W^T on host rows: Matrix (f32/f16/bf16 weights) or cpu_qgemm.QMatrix (4/8-bit)."""
 
@@ -55,6 +64,8 @@ class HostMatmul(Protocol):
     def host(self, xs: np.ndarray) -> np.ndarray: ...
 
     def __call__(self, x: mx.array) -> mx.array: ...
+
+    def descriptor(self) -> SlotMatrix | None: ...
 
 
 class Matrix:
@@ -76,6 +87,12 @@ class Matrix:
             w = self.w.view(mx.uint16) if self.w.dtype == mx.bfloat16 else self.w
             self._host = np.ascontiguousarray(np.asarray(w, dtype=_NP_VIEW[self.w.dtype]))
         return self._host
+
+    def descriptor(self) -> SlotMatrix | None:
+        """For native/block.c (None when K is padded: the block kernel does not pad x)."""
+        if self.pad:
+            return None
+        return SlotMatrix(0, self.n, self.k, self.wtype, 0, 0, self._weights().ctypes.data)
 
     def host(self, xs: np.ndarray) -> np.ndarray:
         """y = xs W^T for an aligned float32 host array xs [rows, K]; y is aligned too."""

@@ -19,7 +19,7 @@ import ctypes
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels.cpu_gemm import to_host
+from slotserve.kernels.cpu_gemm import SlotMatrix, to_host
 from slotserve.model.weights import QuantizedWeight
 
 BLOCK = 32  # activation quantization block, and the weight block inside a group
@@ -207,6 +207,10 @@ class QMatrix:
         self.n, self.k = qweight.shape
         self.w, self.f16 = repack(qweight)
         self._wptr = self.w.ctypes.data
+
+    def descriptor(self) -> SlotMatrix:
+        """For native/block.c: the same call as host() makes."""
+        return SlotMatrix(1, self.n, self.k, 0, self.bits, int(self.f16), self._wptr)
 
     @property
     def nbytes(self) -> int:

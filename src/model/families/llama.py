@@ -83,17 +83,6 @@ class Attention:
         out = attend(q, k, v, batch, layer, self.scale)
         return self.o(out.reshape(out.shape[0], -1), residual)
 
-    def host(self, lib: ctypes.CDLL, xs: np.ndarray, batch: Batch, layer: int,
-             rope: Rope) -> np.ndarray:
-        """The output projection of attention over normalized host rows xs (Model.host)."""
-        assert self.qkv.kernel is not None and self.o.kernel is not None
-        pool = batch.pool
-        assert pool is not None and batch.native is not None
-        out = cpu_attention.attention_block(
-            lib, self.qkv.kernel, xs, self.heads, self.kv_heads, self.head_dim,
-            rope.host_tables(), pool.keys[layer], pool.values[layer], batch.native, self.scale)
-        return self.o.kernel.host(out)
-
 
 class MLP:
     def __init__(self, w: dict[str, Tensor], p: str, dtype: mx.Dtype, quant: bool) -> None:
@@ -150,28 +139,40 @@ class Block:
         """Every part of this block has a native CPU kernel (Model.host can run it)."""
         a, m = self.attn, self.mlp
         return (type(self).__call__ is Block.__call__ and type(m) is MLP and a.native_block
-                and a.qkv.kernel is not None and a.o.kernel is not None
-                and m.gate_up.kernel is not None and m.down.kernel is not None
-                and self.in_norm.shape[0] % 16 == 0)
+                and self.in_norm.shape[0] % 16 == 0 and self._matrices() is not None)
+
+    def _matrices(self) -> tuple[cpu_gemm.SlotMatrix, ...] | None:
+        """QKV, O, gate+up, down as native/block.c takes them (None: one lacks a kernel)."""
+        if getattr(self, "_mats", False) is False:
+            kernels = (self.attn.qkv.kernel, self.attn.o.kernel, self.mlp.gate_up.kernel,
+                       self.mlp.down.kernel)
+            mats = [k.descriptor() if k is not None else None for k in kernels]
+            self._mats = None if None in mats else tuple(mats)  # type: ignore[arg-type]
+            norms = (self.in_norm, self.post_norm)
+            self._norms = tuple(cpu_gemm.to_host(n.astype(mx.float32))[0] for n in norms)
+        return self._mats
 
     def host(self, lib: ctypes.CDLL, x: np.ndarray, batch: Batch, layer: int,
              rope: Rope) -> np.ndarray:
-        """The block on host rows: the residual stream never goes back to MLX."""
-        norms = self._host_norms()
-        h = self.attn.host(lib, cpu_gemm.rms_norm_host(lib, x, norms[0], self.eps), batch,
-                           layer, rope)
-        np.add(h, x, out=h)  # h is the kernel's aligned output: the sum stays aligned
-        assert self.mlp.gate_up.kernel is not None and self.mlp.down.kernel is not None
-        out = cpu_gemm.swiglu_host(lib, self.mlp.gate_up.kernel, self.mlp.down.kernel,
-                                   cpu_gemm.rms_norm_host(lib, h, norms[1], self.eps))
-        np.add(out, h, out=out)
-        return out
-
-    def _host_norms(self) -> tuple[np.ndarray, np.ndarray]:
-        if getattr(self, "_norms", None) is None:
-            self._norms = (cpu_gemm.to_host(self.in_norm.astype(mx.float32))[0],
-                           cpu_gemm.to_host(self.post_norm.astype(mx.float32))[0])
-        return self._norms
+        """The block on host rows x (updated in place), in one native call (block.c): the
+        residual stream never goes back to MLX."""
+        mats, (n0, n1), a = self._matrices(), self._norms, self.attn
+        pool, rows = batch.pool, batch.native
+        assert mats is not None and pool is not None and rows is not None
+        assert rows.write_rows is not None
+        k_host, v_host = cpu_attention.pool_host(pool.keys[layer], pool.values[layer])
+        tables = rope.host_tables()
+        rc = lib.slot_llama_block(
+            x.ctypes.data, x.shape[0], x.shape[1], n0.ctypes.data, n1.ctypes.data,
+            ctypes.c_float(self.eps), *(ctypes.addressof(m) for m in mats), a.heads,
+            a.kv_heads, a.head_dim, tables.cos.ctypes.data, tables.sin.ctypes.data,
+            k_host.ctypes.data, v_host.ctypes.data, rows.write_rows.ctypes.data,
+            rows.write_rows.shape[0], rows.tables.ctypes.data, rows.tables.shape[1],
+            rows.row_table.ctypes.data, rows.row_pos.ctypes.data,
+            ctypes.c_float(a.scale * cpu_attention.LOG2E), 0)
+        if rc != 0:
+            raise RuntimeError(f"slot_llama_block failed (code {rc})")
+        return x
 
 
 class Model:
