@@ -59,6 +59,8 @@ _BIAS_LIMIT = 100.0
 _LOG2E = 1.4426950408889634
 # Prefix length fetched with top-k for top_p-only rows; wider nuclei fall back to a full sort.
 _TOP_P_PREFIX = 1024
+# Second prefix, from a partition on the host, for nuclei wider than the first.
+_TOP_P_WIDE = 8192
 _U64 = (1 << 64) - 1
 
 
@@ -332,7 +334,22 @@ def _rank_cutoffs(
         c[rows[ok]], thr[rows[ok]] = c_r[ok], thr_r[ok]
         rows = rows[~ok]
     if len(rows):
-        full = mx.array(-np.sort(-np.array(take(e, rows)), axis=-1))
+        host = np.array(take(e, rows))
+        # rows whose top_k fits the wider prefix (or is off): their top_k mass is in it
+        fits = (k_eff[rows] >= vocab) | (k_eff[rows] <= _TOP_P_WIDE)
+        if 4 * _TOP_P_WIDE < vocab and fits.any():
+            # a wider prefix from a partition (linear) and a sort of only its values: the same
+            # numbers as the full sort's first _TOP_P_WIDE ranks, 3-5x cheaper on the CPU
+            sub = rows[fits]
+            top = -np.partition(-host[fits], _TOP_P_WIDE - 1, axis=-1)[:, :_TOP_P_WIDE]
+            prefix = mx.array(-np.sort(-top, axis=-1))
+            c_r, thr_r, ok = _cutoffs(prefix, k_eff[sub], top_p[sub], take(total, sub), vocab)
+            c[sub[ok]], thr[sub[ok]] = c_r[ok], thr_r[ok]
+            left = np.ones(len(rows), bool)
+            left[np.nonzero(fits)[0][ok]] = False
+            rows, host = rows[left], host[left]
+    if len(rows):
+        full = mx.array(-np.sort(-host, axis=-1))
         c[rows], thr[rows], _ = _cutoffs(full, k_eff[rows], top_p[rows], take(total, rows), vocab)
     return c, thr
 
