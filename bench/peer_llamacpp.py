@@ -546,7 +546,8 @@ def report(res: dict[str, Any], level: int = 1) -> str:
     cpu, lb, ss = res["cpu"], res["llama_cpp"], res["slotserve"]
     build_info = lb["build"]
     lines = [
-        f"{h} slotserve vs llama.cpp on the CPU — {cpu['kind']} ({res['date']})",
+        f"{h} slotserve vs llama.cpp on the CPU — {cpu['kind']}, "
+        f"{res['params']['prompt_tokens']}-token prompts ({res['date']})",
         "",
         f"- Date: {res['date']}; slotserve commit {res['slotserve_commit']}",
         f"- CPU: {cpu['model']} ({cpu['machine']}, {cpu['cores']} cores); vector extensions: "
