@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from slotserve.kernels import cpu_gemm
+from slotserve.kernels import cpu_attention, cpu_gemm, native
 from slotserve.model import layers
 from slotserve.model.chat_template import ChatTemplate
 from slotserve.model.layers import Batch
@@ -243,3 +243,31 @@ def test_smollm2_prefill_chunk_equals_decode_steps(smol: Any) -> None:
     model(mx.array(prompt[:m]), Batch.build([(kv, 0, m)]), [m - 1])
     tail = model(mx.array(prompt[m:]), Batch.build([(kv, m, n - m)]), [n - m - 1])
     assert mx.array_equal(chunk[0], tail[0])
+
+
+def test_block_kernel_equals_its_kernels_one_by_one(smol: Any) -> None:
+    """native/block.c chains the block's kernels in C: the same bits as calling them one by
+    one from Python (norm, attention block, O + residual, norm, SwiGLU MLP + residual)."""
+    model = smol[0]
+    lib = native.library()
+    assert lib is not None
+    layer, n = 3, 20
+    block = model.layers[layer]
+    assert block.runs_on_host()
+    x = cpu_gemm.aligned_copy(np.random.default_rng(5).standard_normal(
+        (n, model.config.hidden_size)).astype(np.float32))
+    model.rope.reserve(n)
+    got = block.host(lib, cpu_gemm.aligned_copy(x), Batch.build([(model.new_kv(), 0, n)]),
+                     layer, model.rope)
+    batch = Batch.build([(model.new_kv(), 0, n)])
+    a, (n0, n1), pool = block.attn, block._norms, batch.pool
+    att = cpu_attention.attention_block(
+        lib, a.qkv.kernel, cpu_gemm.rms_norm_host(lib, x, n0, block.eps), a.heads, a.kv_heads,
+        a.head_dim, model.rope.host_tables(), pool.keys[layer], pool.values[layer],
+        batch.native, a.scale)
+    h = a.o.kernel.host(att)
+    np.add(h, x, out=h)
+    want = cpu_gemm.swiglu_host(lib, block.mlp.gate_up.kernel, block.mlp.down.kernel,
+                                cpu_gemm.rms_norm_host(lib, h, n1, block.eps))
+    np.add(want, h, out=want)
+    assert np.array_equal(got, want)
