@@ -132,7 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-parked", type=int, default=None,
                    help="conversations kept (parked KV) beyond the slots for their next turn "
                         "(default: as many as --max-slots; 0 disables)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (visible to other local users "
+                        "in ps; prefer --api-key-file or $SLOTSERVE_API_KEY)")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="accept any key in PATH: one per line, blank lines and '#' comment "
+                        "lines ignored. Keys from --api-key, --api-key-file and "
+                        "$SLOTSERVE_API_KEY (comma- or newline-separated) are all accepted")
     s.add_argument("--allow-batch-variance", action="store_true",
                    help="serve even if the start-up probe finds outputs depend on the batch")
     s.set_defaults(fn=cmd_serve)

@@ -245,6 +245,8 @@ def test_auth_and_health_without_engine() -> None:
 
 
 def test_banner_has_url_and_curl() -> None:
-    text = startup_banner("0.0.0.0", 8123, api_key="k", model="SmolLM2")
-    assert "http://localhost:8123" in text and "curl" in text and "Bearer" in text
-    assert "k'" not in text  # the key itself is never printed
+    text = startup_banner("0.0.0.0", 8123, api_keys="sk-banner-key", model="SmolLM2")
+    assert "http://localhost:8123" in text and "curl" in text and "Bearer <key>" in text
+    assert "auth: 1 API key" in text
+    assert "sk-banner-key" not in text  # the key itself is never printed
+    assert "no API key" in startup_banner("0.0.0.0", 8123)

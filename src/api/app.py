@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: routes, auth, and JSON errors for every failure.
 
-    app = create_app(EngineConfig(max_slots=8), api_key="secret")
+    app = create_app(EngineConfig(max_slots=8), api_key="secret")   # or a list, or APIKeys
     await serve(app, host="127.0.0.1", port=8000)      # slotserve.api.server
 
 The engine loads in the background once serving starts (GET /health answers 503 until it is
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
@@ -21,6 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from slotserve.api import anthropic, generation
 from slotserve.api.errors import HTTP_ERRORS, APIError, error_body, json_response
+from slotserve.api.keys import APIKeys, as_api_keys
 from slotserve.api.schemas import parse_body, parse_chat, parse_completion
 from slotserve.api.state import AppState, Settings
 from slotserve.engine import EngineConfig
@@ -46,11 +47,15 @@ async def drain_refused_body() -> None:
             await asyncio.wait_for(ended.wait(), DRAIN_SECONDS)
 
 
-def create_app(engine_config: EngineConfig | None = None, api_key: str | None = None, *,
+def create_app(engine_config: EngineConfig | None = None,
+               api_key: str | Iterable[str] | APIKeys | None = None, *,
                keepalive_interval: float = 15.0, max_body_bytes: int = 8 * 2**20,
                model_id: str | None = None) -> Quart:
-    """Build the app; nothing loads until it is served (see `app_state(app)` for the engine)."""
-    settings = Settings(api_key=api_key or None, keepalive_interval=keepalive_interval,
+    """Build the app; nothing loads until it is served (see `app_state(app)` for the engine).
+
+    `api_key`: the accepted key, several (any of them is accepted), or None for no auth.
+    """
+    settings = Settings(api_keys=as_api_keys(api_key), keepalive_interval=keepalive_interval,
                         max_body_bytes=max_body_bytes)
     state = AppState(engine_config or EngineConfig(), settings, model_id)
     app = Quart("slotserve")
@@ -69,17 +74,18 @@ def create_app(engine_config: EngineConfig | None = None, api_key: str | None = 
     @app.before_request
     async def authenticate() -> Response | None:
         g.started = time.perf_counter()
-        key = settings.api_key
-        if key is None or request.path in OPEN_PATHS:
+        g.api_key = None  # index of the caller's key in settings.api_keys
+        keys = settings.api_keys
+        if not keys or request.path in OPEN_PATHS:
             return None
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              key.encode()):
+        # constant time whatever is sent (see slotserve.api.keys); never logged or echoed
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        g.api_key = keys.match(token.strip()) if scheme.lower() == "bearer" else None
+        if g.api_key is not None:
             return None
         if anthropic.is_anthropic_path(request.path):  # Anthropic clients send x-api-key
-            x_key = request.headers.get("x-api-key", "")
-            if hmac.compare_digest(x_key.strip().encode(), key.encode()):
+            g.api_key = keys.match(request.headers.get("x-api-key", "").strip())
+            if g.api_key is not None:
                 return None
             return anthropic.error_response(401, "invalid or missing API key (send "
                                                  "'x-api-key: <key>')")

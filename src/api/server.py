@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -25,6 +26,7 @@ from hypercorn.config import Config
 from quart import Quart
 
 from slotserve.api.app import app_state, create_app
+from slotserve.api.keys import ENV, APIKeyError, APIKeys, as_api_keys, load_api_keys
 from slotserve.api.state import AppState, model_id_for
 from slotserve.engine import EngineConfig
 
@@ -108,7 +110,7 @@ def _signal_event() -> asyncio.Event:
 
 
 async def run_server(host: str, port: int, engine_config: EngineConfig,
-                     api_key: str | None = None, log_format: str = "console",
+                     api_key: str | APIKeys | None = None, log_format: str = "console",
                      log_level: str = "info", **app_options: Any) -> None:
     """The `slotserve serve` entry: configure logs, build the app, serve until a signal.
 
@@ -120,20 +122,30 @@ async def run_server(host: str, port: int, engine_config: EngineConfig,
 
 
 def main(args: argparse.Namespace) -> int:
-    """`slotserve serve` with the CLI's parsed arguments; blocks until SIGINT/SIGTERM."""
+    """`slotserve serve` with the CLI's parsed arguments; blocks until SIGINT/SIGTERM.
+
+    Returns 2 at once, with a message on stderr, if a key source is given but unusable.
+    """
     from slotserve.cli import parse_bytes
 
+    try:
+        keys = load_api_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None),
+                             os.environ)
+    except APIKeyError as exc:
+        sys.stderr.write(f"slotserve serve: error: {exc}\n")
+        return 2
+    for warning in keys.warnings:
+        sys.stderr.write(f"slotserve serve: warning: {warning}\n")
     cfg = EngineConfig(model=args.model, device=getattr(args, "device", "auto"),
                        max_slots=args.max_slots, max_queue=args.max_queue,
                        kv_budget_bytes=parse_bytes(getattr(args, "kv_budget", None)),
                        prefill_budget=getattr(args, "prefill_budget", 256),
                        max_parked=getattr(args, "max_parked", None),
                        allow_batch_variance=getattr(args, "allow_batch_variance", False))
-    sys.stdout.write(startup_banner(args.host, args.port, args.api_key,
-                                    model_id_for(args.model)) + "\n")
+    sys.stdout.write(startup_banner(args.host, args.port, keys, model_id_for(args.model)) + "\n")
     sys.stdout.flush()
     try:
-        asyncio.run(run_server(args.host, args.port, cfg, args.api_key,
+        asyncio.run(run_server(args.host, args.port, cfg, keys,
                                getattr(args, "log_format", "console"),
                                getattr(args, "log_level", "info")))
     except Exception as exc:  # the model failed to load, or the port is taken
@@ -142,16 +154,25 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def startup_banner(host: str, port: int, api_key: str | None = None,
+def startup_banner(host: str, port: int, api_keys: APIKeys | str | None = None,
                    model: str | None = None) -> str:
-    """What the CLI prints at start: where to reach the server and a request to try."""
+    """What the CLI prints at start: where to reach the server, its auth, a request to try.
+
+    The auth line says how many keys and from where, never a key (the curl example has a
+    `<key>` placeholder).
+    """
     shown = "localhost" if host in ("0.0.0.0", "::", "") else host
     shown = f"[{shown}]" if ":" in shown else shown
     base = f"http://{shown}:{port}"
-    auth = " \\\n       -H 'Authorization: Bearer $SLOTSERVE_API_KEY'" if api_key else ""
+    keys = as_api_keys(api_keys)
+    auth = " \\\n       -H 'Authorization: Bearer <key>'" if keys else ""
+    access = (f"auth: {keys.describe()}; send one as <key> below (or as 'x-api-key: <key>' "
+              f"on /v1/messages)" if keys
+              else f"auth: {keys.describe()} (see --api-key-file or ${ENV})")
     name = f" serving {model}" if model else ""
     return (
         f"slotserve{name} on {base} (OpenAI API at {base}/v1; health at {base}/health)\n"
+        f"{access}\n"
         f"try:\n"
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"       -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"

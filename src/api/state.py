@@ -8,12 +8,13 @@ closes it when asked: in-flight requests finish, queued ones end with an error.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
 from slotserve.api.errors import APIError
+from slotserve.api.keys import APIKeys
 from slotserve.api.metrics import Metrics
 from slotserve.engine import Engine, EngineConfig
 
@@ -24,7 +25,7 @@ DEFAULT_ALIASES = ("default",)
 
 @dataclass
 class Settings:
-    api_key: str | None = None
+    api_keys: APIKeys = field(default_factory=APIKeys)  # empty: no auth
     keepalive_interval: float = 15.0  # seconds between SSE comments while nothing is sent
     max_body_bytes: int = 8 * 2**20
 
