@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept any key in PATH: one per line, blank lines and '#' comment "
                         "lines ignored. Keys from --api-key, --api-key-file and "
                         "$SLOTSERVE_API_KEY (comma- or newline-separated) are all accepted")
+    s.add_argument("--cache-scope", choices=["key", "global", "none"], default="key",
+                   help="who shares prefix KV (cached_tokens): requests of one API key (the "
+                        "default; without a key, everyone), all requests, or none; a "
+                        "request's cache_salt splits it further")
     s.add_argument("--allow-batch-variance", action="store_true",
                    help="serve even if the start-up probe finds outputs depend on the batch")
     s.set_defaults(fn=cmd_serve)

@@ -24,7 +24,7 @@ import anyio
 import psutil
 import structlog
 
-from slotserve.actors.admission import Admission
+from slotserve.actors.admission import CACHE_SCOPES, Admission, namespace_for
 from slotserve.actors.batcher import Batcher
 from slotserve.actors.messages import Assign, Cancel, Delta, GenerationRequest, TokenLogprob, Usage
 from slotserve.actors.session import Session
@@ -66,6 +66,10 @@ class EngineConfig:
     # (only the MLX-ops fallback, without the native kernels, can fail it): outputs then
     # differ between alone and batched. Off: such an engine refuses to start.
     allow_batch_variance: bool = False
+    # how far prefix reuse (retained, parked and shared KV) reaches: "key" within a request's
+    # cache_namespace (the HTTP API key; the in-process default is one namespace), "global"
+    # across every request, "none" never across requests. cache_salt splits it further.
+    cache_scope: str = "key"
 
 
 @dataclass
@@ -89,6 +93,9 @@ def default_kv_budget() -> int:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.cache_scope not in CACHE_SCOPES:
+            raise ValueError(f"cache_scope must be one of {', '.join(CACHE_SCOPES)}, "
+                             f"not {config.cache_scope!r}")
         self.config = config
         self.mlx: MLXThread | None = None
         self.loaded: LoadedModel | None = None
@@ -224,12 +231,18 @@ class Engine:
                      stop: list[str] | None = None, logprobs: bool = False,
                      top_logprobs: int = 0, ignore_eos: bool = False,
                      response_format: dict[str, Any] | Grammar | None = None,
+                     cache_namespace: str | None = None, cache_salt: str | None = None,
                      **sampling: Any) -> GenerationRequest:
         """Validate options and build a request (raises ValueError on bad input).
 
         `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
         {"schema": ...}}, or a Grammar compiled beforehand) constrains the output.
+        `cache_namespace` (the tenant: the HTTP server passes its API key's id; default one
+        namespace for all) and `cache_salt`: the request reuses KV computed for another only
+        when both are equal (under `cache_scope` "key"; "global" ignores the namespace,
+        "none" reuses nothing).
         """
+        namespace = namespace_for(self.config.cache_scope, cache_namespace, cache_salt)
         params = SamplingParams(**sampling)
         params.validate(self.tokenizer.vocab_size)
         if max_tokens is None:
@@ -249,7 +262,7 @@ class Engine:
             prompt_ids=list(prompt_ids), max_tokens=max_tokens, params=params,
             stop=list(stop or []),
             stop_ids=stop_ids, logprobs=logprobs or top_logprobs > 0,
-            top_logprobs=top_logprobs, grammar=grammar,
+            top_logprobs=top_logprobs, grammar=grammar, cache_namespace=namespace,
         )
 
     def submit(self, request: GenerationRequest) -> Session:

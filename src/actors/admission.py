@@ -18,6 +18,13 @@ recently used first, when bytes are needed.
 A new chat that opens with tokens another conversation holds (an agent's system prompt)
 starts from that conversation's full KV pages, shared, not copied (`_share_prefix`);
 retained KV counts each page once, however many conversations share it (`retained_bytes`).
+
+Every one of these mechanisms stays inside a cache namespace (`GenerationRequest.
+cache_namespace`: the API key and `cache_salt`, see `namespace_for`): a request reuses a
+slot's ledger, adopts a parked conversation or shares pages only when they were computed
+for its own namespace, so `cached_tokens` (and the time a prefill takes) never tells one
+tenant anything about another's prompts. A request of namespace None (`--cache-scope none`)
+reuses nothing and leaves nothing to reuse.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from slotserve.actors.messages import GenerationRequest
+from slotserve.actors.messages import GLOBAL_NAMESPACE, CacheNamespace, GenerationRequest
 from slotserve.actors.slot import Slot, common_prefix
 from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import GROW_STEP, SlotKV
@@ -37,6 +44,25 @@ MIN_REUSE = 16  # prefix tokens a retained slot must match to be chosen for reus
 # tokens of a retained conversation a request may drop when it takes that KV in place: its
 # own next turn (the end of the last answer re-rendered); any other match shares pages
 REUSE_TAIL = 16
+# how far prefix reuse reaches: "key" (the default) within one API key, "global" across all
+# requests (one namespace), "none" not across requests at all; cache_salt splits each further
+CACHE_SCOPES = ("key", "global", "none")
+
+
+def namespace_for(scope: str, tenant: str | None = None,
+                  salt: str | None = None) -> CacheNamespace | None:
+    """The cache namespace of a request from `tenant` (the API key's id; None or "" when the
+    server has no key: one tenant) with `cache_salt` `salt`, under `scope`."""
+    if scope not in CACHE_SCOPES:
+        raise ValueError(f"cache scope must be one of {', '.join(CACHE_SCOPES)}, not {scope!r}")
+    for name, value in (("cache_namespace", tenant), ("cache_salt", salt)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if scope == "none":
+        return None
+    if scope == "global":
+        tenant = None
+    return (tenant or "", salt or "")
 
 
 class AdmissionError(Exception):
@@ -78,8 +104,11 @@ class ParkedKV:
     ledger: list[int]
     kv: SlotKV
     last_used: float
+    namespace: CacheNamespace | None = GLOBAL_NAMESPACE  # only this namespace may adopt it
 
-    def prefix_match(self, prompt: list[int]) -> int:
+    def prefix_match(self, prompt: list[int], namespace: CacheNamespace | None) -> int:
+        if namespace is None or namespace != self.namespace:
+            return 0
         return min(common_prefix(self.ledger, prompt), max(len(prompt) - 1, 0))
 
 
@@ -176,7 +205,7 @@ class Admission:
         free = [s for s in self.slots if not s.busy and not s.in_flight]
         if not free:
             return False
-        slot, parked, reuse = self._choose(free, req.prompt_ids)
+        slot, parked, reuse = self._choose(free, req.prompt_ids, req.cache_namespace)
         if parked is not None:
             self.parked.remove(parked)  # before parking the host: the cap must not drop it
         if not reuse and slot.kv.nbytes:
@@ -187,9 +216,9 @@ class Admission:
                 self.parked.append(parked)
             return False
         if parked is not None:
-            slot.adopt(parked.ledger, parked.kv)
+            slot.adopt(parked.ledger, parked.kv, parked.namespace)
         elif not reuse:
-            self._share_prefix(slot, req.prompt_ids)
+            self._share_prefix(slot, req.prompt_ids, req.cache_namespace)
         # free retained KV until the charge fits: parked conversations first, then other
         # idle slots, least recently used first
         while self.busy_bytes + charge + self.retained_bytes(slot) > self.kv_budget:
@@ -199,16 +228,21 @@ class Admission:
         place(slot)
         return True
 
-    def _share_prefix(self, slot: Slot, prompt: list[int]) -> None:
+    def _share_prefix(self, slot: Slot, prompt: list[int],
+                      namespace: CacheNamespace | None) -> None:
         """Start an empty slot with the full KV pages of the longest prefix of `prompt` that
-        another conversation holds (a slot's, busy or not, or a parked one): a new chat that
-        opens with an agent's system prompt skips prefilling it, and that conversation keeps
-        all of its KV. Pages are shared, not copied (SlotKV.share_prefix); the K/V in them
-        are what a prefill of the same tokens at the same positions computes (the
-        invariance rules), so the output is the same bits as a cold start."""
+        another conversation of the same cache namespace holds (a slot's, busy or not, or a
+        parked one): a new chat that opens with an agent's system prompt skips prefilling
+        it, and that conversation keeps all of its KV. Pages are shared, not copied
+        (SlotKV.share_prefix); the K/V in them are what a prefill of the same tokens at the
+        same positions computes (the invariance rules), so the output is the same bits as
+        a cold start."""
+        if namespace is None:
+            return
         limit = (len(prompt) - 1) // BLOCK  # the last prompt token is always fed
-        donors = [(s.ledger, s.kv) for s in self.slots if s is not slot and s.kv.pages]
-        donors += [(p.ledger, p.kv) for p in self.parked]
+        donors = [(s.ledger, s.kv) for s in self.slots
+                  if s is not slot and s.kv.pages and s.namespace == namespace]
+        donors += [(p.ledger, p.kv) for p in self.parked if p.namespace == namespace]
         best, source = 0, None
         for ledger, kv in donors:
             pages = min(common_prefix(ledger, prompt) // BLOCK, limit)
@@ -217,13 +251,15 @@ class Admission:
         if source is not None:
             slot.kv.share_prefix(source[1], best)
             slot.ledger = source[0][: best * BLOCK]
+            slot.namespace = namespace
 
     def _park(self, slot: Slot) -> None:
-        if self.max_parked <= 0:
+        if self.max_parked <= 0 or slot.namespace is None:  # None: nobody could adopt it
             slot.evict()
             return
+        namespace = slot.namespace
         ledger, kv = slot.detach()
-        self.parked.append(ParkedKV(ledger, kv, slot.last_used))
+        self.parked.append(ParkedKV(ledger, kv, slot.last_used, namespace))
         while len(self.parked) > self.max_parked:
             oldest = min(self.parked, key=lambda p: p.last_used)
             self.parked.remove(oldest)
@@ -250,16 +286,17 @@ class Admission:
         self.parked = []
         return freed
 
-    def _choose(self, free: list[Slot],
-                prompt: list[int]) -> tuple[Slot, ParkedKV | None, bool]:
+    def _choose(self, free: list[Slot], prompt: list[int],
+                namespace: CacheNamespace | None) -> tuple[Slot, ParkedKV | None, bool]:
         """(slot, parked conversation it adopts or None, whether the slot's own KV is reused).
 
-        The longest exact prefix match wins, in a free slot or parked (a free slot then
-        adopts it); otherwise an empty slot, else the least recently used one, whose
-        conversation is parked. A match counts only when it is at least MIN_REUSE tokens
-        (not just the chat template's opening) and reusing it in place throws away at most
-        REUSE_TAIL tokens of that conversation (its own next turn, re-rendered): a new chat
-        that only shares the system prompt must not truncate another conversation. That
+        Only conversations of the request's cache namespace match at all. The longest exact
+        prefix match wins, in a free slot or parked (a free slot then adopts it); otherwise
+        an empty slot, else the least recently used one, whose conversation is parked. A
+        match counts only when it is at least MIN_REUSE tokens (not just the chat template's
+        opening) and reusing it in place throws away at most REUSE_TAIL tokens of that
+        conversation (its own next turn, re-rendered): a new chat that only shares the
+        system prompt must not truncate another conversation. That
         conversation is parked instead, and the new chat starts from its full pages of the
         shared prefix (_share_prefix).
         """
@@ -267,10 +304,11 @@ class Admission:
         def worth(match: int, resident: int) -> bool:
             return match >= MIN_REUSE and resident - match <= REUSE_TAIL
 
-        slot_matches = [(s.prefix_match(prompt), s.last_used, s) for s in free]
+        slot_matches = [(s.prefix_match(prompt, namespace), s.last_used, s) for s in free]
         best_slot = max((m for m in slot_matches if worth(m[0], len(m[2].ledger))),
                         key=lambda m: (m[0], m[1]), default=None)
-        parked_matches = [(p.prefix_match(prompt), p.last_used, p) for p in self.parked]
+        parked_matches = [(p.prefix_match(prompt, namespace), p.last_used, p)
+                          for p in self.parked]
         best_parked = max((m for m in parked_matches if worth(m[0], len(m[2].ledger))),
                           key=lambda m: (m[0], m[1]), default=None)
         empty = [s for s in free if not s.ledger and not s.kv.pages]

@@ -9,6 +9,11 @@ from slotserve.kernels.grammar import Grammar
 from slotserve.kernels.sampling import SamplingParams
 from slotserve.runtime.runner import Sampled
 
+# Who may reuse whose KV: (tenant, cache salt). Requests share prefix KV only when their
+# namespaces are equal; None is a request whose KV no other request may use, nor it theirs.
+CacheNamespace = tuple[str, str]
+GLOBAL_NAMESPACE: CacheNamespace = ("", "")
+
 
 @dataclass
 class GenerationRequest:
@@ -24,6 +29,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     arrived: float = field(default_factory=time.perf_counter)
     grammar: Grammar | None = None  # constrained decoding (response_format)
+    cache_namespace: CacheNamespace | None = GLOBAL_NAMESPACE  # prefix reuse only within it
 
 
 @dataclass

@@ -3,7 +3,8 @@
 The token ledger lists the tokens whose K/V are resident at positions 0..n-1. It
 survives the request, so a later request sharing a prefix skips that prefill.
 `epoch` changes with every assignment and finish, so a step result or a Ready
-that belongs to an earlier request is recognised and ignored.
+that belongs to an earlier request is recognised and ignored. `namespace` is the cache
+namespace the resident KV belongs to: only a request of the same namespace reuses it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from slotserve.actors.base import Actor
 from slotserve.actors.messages import (
     Assign,
+    CacheNamespace,
     Cancel,
     FinishEvent,
     GenerationRequest,
@@ -63,6 +65,8 @@ class Slot(Actor[SlotMessage]):
         # called when a cancelled request's last step returns: only now can the slot be reused
         self.on_idle: Callable[[Slot], None] | None = None
         self.ledger: list[int] = []
+        # the cache namespace of the request that computed the ledger's KV (None: private)
+        self.namespace: CacheNamespace | None = None
         self.epoch = 0
         self.busy = False  # reserved by admission or serving a request
         self.in_flight = False  # part of the step the Batcher is running now
@@ -79,8 +83,11 @@ class Slot(Actor[SlotMessage]):
 
     # ---- read by admission and the Batcher (same event loop, no awaits) -----------
 
-    def prefix_match(self, prompt: list[int]) -> int:
-        """Resident tokens a request with this prompt could reuse (one is always re-fed)."""
+    def prefix_match(self, prompt: list[int], namespace: CacheNamespace | None) -> int:
+        """Resident tokens a request with this prompt could reuse (one is always re-fed):
+        none unless the request is in the cache namespace the resident KV belongs to."""
+        if namespace is None or namespace != self.namespace:
+            return 0
         return min(common_prefix(self.ledger, prompt), max(len(prompt) - 1, 0))
 
     def reserve(self) -> int:
@@ -110,18 +117,19 @@ class Slot(Actor[SlotMessage]):
         assert not self.busy and not self.in_flight
         self.kv.release()
         self.ledger = []
+        self.namespace = None
 
     def detach(self) -> tuple[list[int], SlotKV]:
         """Hand over the retained conversation (ledger + its KV pages); keep an empty KV."""
         assert not self.busy and not self.in_flight
         ledger, kv = self.ledger, self.kv
-        self.ledger, self.kv = [], SlotKV(kv.pool)
+        self.ledger, self.kv, self.namespace = [], SlotKV(kv.pool), None
         return ledger, kv
 
-    def adopt(self, ledger: list[int], kv: SlotKV) -> None:
+    def adopt(self, ledger: list[int], kv: SlotKV, namespace: CacheNamespace | None) -> None:
         """Take over a parked conversation (this slot's own retained KV must be gone)."""
         assert not self.busy and not self.in_flight and not self.kv.pages
-        self.ledger, self.kv = ledger, kv
+        self.ledger, self.kv, self.namespace = ledger, kv, namespace
 
     # ---- messages --------------------------------------------------------------------
 
@@ -161,9 +169,12 @@ class Slot(Actor[SlotMessage]):
     def _assign(self, msg: Assign) -> None:
         req = msg.request
         self.request, self.session = req, msg.session  # type: ignore[assignment]
-        # from the first position this request writes on, no page may be another's
-        self.reused = self.kv.writable_from(self.prefix_match(req.prompt_ids))
+        # from the first position this request writes on, no page may be another's; KV of
+        # another cache namespace is never reused (admission parks it first; this is the check)
+        self.reused = self.kv.writable_from(self.prefix_match(req.prompt_ids,
+                                                              req.cache_namespace))
         self.ledger = self.ledger[: self.reused]
+        self.namespace = req.cache_namespace
         self.pending = list(req.prompt_ids[self.reused :])
         self.generated = 0
         self.parked = False

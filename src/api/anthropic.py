@@ -21,7 +21,7 @@ from quart import Response
 from slotserve.actors.messages import Delta
 from slotserve.api.errors import APIError, bad_request
 from slotserve.api.generation import ChatRun, engine_failure, start_chat, stream_response
-from slotserve.api.schemas import MAX_STOP, TINY_TEMPERATURE
+from slotserve.api.schemas import MAX_STOP, TINY_TEMPERATURE, cache_salt
 from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tools import CLOSE, OPEN, ToolCall, ToolChoice
@@ -159,6 +159,7 @@ def _options(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
             raise bad_request(f"stop_sequences: at most {MAX_STOP} allowed", "stop_sequences")
         if stop:
             opts["stop"] = stop
+    opts.update(cache_salt(body))
     return opts
 
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from quart import Response
+from quart import Response, g
 
 from slotserve.actors.admission import (
     AdmissionError,
@@ -48,9 +48,21 @@ _KNOBS = frozenset({*FLOAT_KNOBS, "top_k", "seed", "logit_bias", "max_tokens", "
 # ---- admission -----------------------------------------------------------------------------
 
 
+def tenant() -> str | None:
+    """The cache namespace of this request: the API key it authenticated with (`g.api_key`,
+    the key's index, set by the app's auth), None without a configured key (one namespace
+    for every caller)."""
+    key = g.get("api_key")
+    return None if key is None else f"api-key-{key}"
+
+
 def submit(state: AppState, engine: Engine, prompt_ids: list[int],
            options: dict[str, Any], param: str) -> Session:
-    """Build and admit a request; every refusal becomes the matching HTTP error."""
+    """Build and admit a request; every refusal becomes the matching HTTP error.
+
+    The request reuses KV only of requests with its API key (and `cache_salt`), under the
+    engine's cache_scope."""
+    options = {**options, "cache_namespace": tenant()}
     ctx = engine.context_length
     if len(prompt_ids) >= ctx:
         state.metrics.reject("context_length_exceeded")

@@ -15,6 +15,7 @@ from slotserve.api.errors import APIError, bad_request
 from slotserve.api.tools import ToolChoice
 
 MAX_STOP = 16
+MAX_CACHE_SALT = 1024  # characters
 MAX_TOP_LOGPROBS = 20
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 TINY_TEMPERATURE = 1e-30
@@ -229,7 +230,19 @@ def _options(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> dict[str
     fmt = check_response_format(body.get("response_format"))
     if fmt is not None:
         opts["response_format"] = fmt
+    opts.update(cache_salt(body))
     return opts
+
+
+def cache_salt(body: dict[str, Any]) -> dict[str, str]:
+    """`cache_salt` (as in vLLM): requests with different salts never share prefix KV."""
+    salt = _str(body, "cache_salt")
+    if salt is None:
+        return {}
+    if not 0 < len(salt) <= MAX_CACHE_SALT:
+        raise bad_request(f"'cache_salt' must be a non-empty string of at most "
+                          f"{MAX_CACHE_SALT} characters", "cache_salt")
+    return {"cache_salt": salt}
 
 
 def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:

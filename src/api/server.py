@@ -141,7 +141,8 @@ def main(args: argparse.Namespace) -> int:
                        kv_budget_bytes=parse_bytes(getattr(args, "kv_budget", None)),
                        prefill_budget=getattr(args, "prefill_budget", 256),
                        max_parked=getattr(args, "max_parked", None),
-                       allow_batch_variance=getattr(args, "allow_batch_variance", False))
+                       allow_batch_variance=getattr(args, "allow_batch_variance", False),
+                       cache_scope=getattr(args, "cache_scope", "key"))
     sys.stdout.write(startup_banner(args.host, args.port, keys, model_id_for(args.model)) + "\n")
     sys.stdout.flush()
     try:
