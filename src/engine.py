@@ -329,10 +329,18 @@ class Engine:
     # ---- conveniences ----------------------------------------------------------
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
-                    **extra: Any) -> list[int]:
+                    *, prefill: str = "", **extra: Any) -> list[int]:
+        """Prompt ids of a chat; `prefill` is text the reply starts with (already written).
+
+        User text is text: only the chat template writes control tokens; a "<|im_end|>" in any
+        message, tool or prefill is encoded as the characters it spells.
+        """
         assert self.template is not None
-        text = self.template.render(messages, tools=tools, add_generation_prompt=True, **extra)
-        return self.tokenizer.encode(text, add_special=True)
+        tok = self.tokenizer
+        rendered = self.template.render_guarded(messages, tools=tools, add_generation_prompt=True,
+                                                specials=tok.special_tokens, suffix=prefill,
+                                                **extra)
+        return tok.encode_template(rendered.text, rendered.holes, add_special=True)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[Any] | None = None,
                    **options: Any) -> AsyncIterator[Delta]:
@@ -341,7 +349,10 @@ class Engine:
             yield d
 
     async def complete(self, prompt: str | list[int], **options: Any) -> Completion:
-        """Generate to the end and return the whole completion."""
+        """Generate to the end and return the whole completion.
+
+        A str prompt is text (special-token strings in it are not control tokens); a list of
+        token ids is taken as it is, the one way to send control tokens."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return await self.collect(self.generate(self.make_request(ids, **options)))
 

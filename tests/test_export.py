@@ -32,11 +32,11 @@ def test_export_roundtrip_slotserve_and_transformers(exported: Path) -> None:
 
     original = load(None, device="cpu", probe_rows=None)
     text = ChatTemplate.for_tokenizer(original.tokenizer).render(PROMPT)
-    ids = original.tokenizer.encode(text)
+    ids = original.tokenizer.encode(text, parse_special=True)
     ours = greedy(original, ids)
 
     again = load(exported, device="cpu", probe_rows=None)
-    assert again.tokenizer.encode(text) == ids
+    assert again.tokenizer.encode(text, parse_special=True) == ids
     assert greedy(again, ids) == ours
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(exported)

@@ -162,7 +162,7 @@ def smol() -> Iterator[Any]:
     text = ChatTemplate.for_tokenizer(tok).render(
         [{"role": "user", "content": "What is the capital of France?"}]
     )
-    yield model, quiet_generation(hf), tok, tok.encode(text)
+    yield model, quiet_generation(hf), tok, tok.encode(text, parse_special=True)
     torch.set_num_threads(threads)
 
 

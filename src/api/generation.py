@@ -177,15 +177,8 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
         if note:
             messages = with_system_text(messages, note)
 
-    def render() -> list[int]:
-        if not prefill:
-            return engine.render_chat(messages, tools)
-        assert engine.template is not None
-        text = engine.template.render(messages, tools=tools, add_generation_prompt=True)
-        return engine.tokenizer.encode(text + prefill, add_special=True)
-
-    try:
-        ids = await asyncio.to_thread(render)
+    try:  # user text is text: only the template writes control tokens
+        ids = await asyncio.to_thread(engine.render_chat, messages, tools, prefill=prefill)
     except ValueError as exc:  # TemplateError: the template rejected these messages
         raise bad_request(str(exc), "messages") from None
     options = await compile_grammar(engine, options)
@@ -313,7 +306,7 @@ def _error_event(final: Delta | None) -> bytes:
 async def completion(state: AppState, req: CompletionRequest) -> Response:
     engine = state.ready_engine()
     tok = engine.tokenizer
-    if isinstance(req.prompt, str):
+    if isinstance(req.prompt, str):  # text; token ids are the way to send control tokens
         ids = await asyncio.to_thread(tok.encode, req.prompt)
     else:
         bad = next((t for t in req.prompt if not 0 <= t < tok.vocab_size), None)

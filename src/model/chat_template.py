@@ -3,6 +3,12 @@
 Templates come from untrusted model files, so they run in Jinja's immutable sandbox. Globals and
 filters mirror transformers (``raise_exception``, ``strftime_now``, a non-escaping ``tojson``) so
 templates written for HF render identically here.
+
+User text is text: only the template writes control tokens. `ChatTemplate.render_guarded` hands
+the template every user-supplied string with each special token's string in it (and a piece of
+one at either end, which could join a neighbour into one) swapped for a placeholder, and says
+where the placeholders ended up; `Tokenizer.encode_template` then encodes what they stand for as
+plain text.
 """
 
 from __future__ import annotations
@@ -10,8 +16,11 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -104,6 +113,98 @@ def _prepare(message: Mapping[str, Any], keep_parts: bool) -> dict[str, Any]:
     return msg
 
 
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered prompt whose user text spells no control token.
+
+    ``text`` is the template's output, user strings in it with their special-token strings
+    swapped for placeholders; ``holes`` are the placeholders' spans in ``text``, each with the
+    user text it stands for (see `Tokenizer.encode_template`). No holes: ``text`` is exactly what
+    `ChatTemplate.render` gives.
+    """
+
+    text: str
+    holes: tuple[tuple[int, int, str], ...] = ()
+
+    @property
+    def plain(self) -> str:
+        """The prompt as the model reads it, placeholders filled."""
+        parts, pos = [], 0
+        for start, end, plain in self.holes:
+            parts += [self.text[pos:start], plain]
+            pos = end
+        return "".join([*parts, self.text[pos:]])
+
+
+class _Markers:
+    """The special-token strings of one vocabulary, and the pieces of them that a user string
+    may start or end with (two such strings side by side could spell a token together)."""
+
+    def __init__(self, specials: frozenset[str]) -> None:
+        ordered = sorted((t for t in specials if t), key=len, reverse=True)  # longest match
+        self.find = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        self.heads = {t[k:] for t in ordered for k in range(1, len(t))}  # proper suffixes
+        self.tails = {t[:k] for t in ordered for k in range(1, len(t))}  # proper prefixes
+        self.longest = max(map(len, ordered), default=0)
+        self.chars = frozenset(t[0] for t in ordered) | frozenset(t[-1] for t in ordered)
+
+
+@lru_cache(maxsize=8)
+def _markers(specials: frozenset[str]) -> _Markers:
+    return _Markers(specials)
+
+
+class _Guard:
+    """Swaps what user strings hold of special tokens for placeholders of one render.
+
+    A placeholder is ``~<nonce>~<n>~``: ASCII digits and tildes, which no template filter
+    (trim, upper, escape, tojson) changes, with a random nonce, so no user text spells one.
+    """
+
+    def __init__(self, markers: _Markers) -> None:
+        self.m = markers
+        self.nonce = f"{secrets.randbelow(10**16):016d}"
+        self.pieces: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def _hole(self, piece: str) -> str:
+        n = self._index.get(piece)
+        if n is None:
+            n = self._index[piece] = len(self.pieces)
+            self.pieces.append(piece)
+        return f"~{self.nonce}~{n}~"
+
+    def text(self, s: str) -> str:
+        m = self.m
+        if m.find is None or not s or m.chars.isdisjoint(s):
+            return s
+        head = next((s[:k] for k in range(min(m.longest, len(s)), 0, -1) if s[:k] in m.heads), "")
+        rest = s[len(head):]
+        tail = next((rest[-k:] for k in range(min(m.longest, len(rest)), 0, -1)
+                     if rest[-k:] in m.tails), "")
+        body = rest[:len(rest) - len(tail)]
+        body = m.find.sub(lambda x: self._hole(x.group()), body)
+        return "".join([self._hole(head) if head else "", body,
+                        self._hole(tail) if tail else ""])
+
+    def value(self, v: Any) -> Any:
+        """``v`` with every string in it (dict keys too) guarded."""
+        if isinstance(v, str):
+            return self.text(v)
+        if isinstance(v, Mapping):
+            return {self.value(k): self.value(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [self.value(x) for x in v]
+        return v
+
+    def holes(self, text: str) -> tuple[tuple[int, int, str], ...]:
+        if not self.pieces:
+            return ()
+        found = re.finditer(rf"~{self.nonce}~(\d+)~", text)
+        return tuple((x.start(), x.end(), self.pieces[int(x.group(1))]) for x in found
+                     if int(x.group(1)) < len(self.pieces))
+
+
 class ChatTemplate:
     """A compiled chat template plus the BOS/EOS strings templates refer to."""
 
@@ -128,10 +229,39 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]],
                tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, **extra: Any) -> str:
-        """Prompt text for ``messages``; raises TemplateError instead of Jinja/TypeErrors."""
-        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
+        """Prompt text for ``messages``; raises TemplateError instead of Jinja/TypeErrors.
+
+        The text holds user strings as they are: encoding it with special tokens parsed lets
+        users write control tokens. Prompts for the model come from `render_guarded`.
+        """
+        return self._render(messages, tools, add_generation_prompt, extra, None)
+
+    def render_guarded(self, messages: Sequence[Mapping[str, Any]],
+                       tools: Sequence[Mapping[str, Any]] | None = None,
+                       add_generation_prompt: bool = True, *, specials: Collection[str],
+                       suffix: str = "", **extra: Any) -> Rendered:
+        """Prompt for ``messages`` in which no user string can spell a control token.
+
+        ``specials``: the vocabulary's special-token strings. Every string in ``messages``,
+        ``tools`` and ``extra`` (content, tool calls and results, names, tool definitions) is
+        user text, and so is ``suffix``, text the reply starts with, put after the template's
+        output. Encode with ``Tokenizer.encode_template(r.text, r.holes)``.
+        """
+        guard = _Guard(_markers(frozenset(specials)))
+        text = self._render(messages, tools, add_generation_prompt, extra, guard)
+        text += guard.text(suffix)
+        return Rendered(text, guard.holes(text))
+
+    def _render(self, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool,
+                extra: Mapping[str, Any], guard: _Guard | None) -> str:
         try:
             prepared = [_prepare(m, self._keep_parts) for m in messages]
+            if guard is not None:  # after _prepare: JSON arguments are parsed by then
+                prepared = [guard.value(m) for m in prepared]
+                tools = guard.value(tools)
+                extra = guard.value(extra)
+            context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
             return self._template.render(messages=prepared, tools=tools,
                                          add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as e:

@@ -7,6 +7,7 @@ BPE for ``gpt2``, SentencePiece-style BPE with byte fallback for ``llama``); HF 
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -44,6 +45,7 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_tu
                       "<|end▁of▁sentence|>", "<eos>", "</s>")
 CONTROL, USER_DEFINED, UNUSED, BYTE = 3, 4, 5, 6  # tokenizer.ggml.token_type values
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_HOLE = "\ue000"  # stands for a stretch of user text while control tokens are found
 
 
 @cache
@@ -158,6 +160,11 @@ class Tokenizer:
         stops = {i for i in (eos_id, *extra_eos, *eot) if i is not None}
         self.stop_ids: frozenset[int] = frozenset(stops)
         self._bytes_cache: dict[int, bytes] = {}
+        # User text is text: copies of `hf` that encode special-token strings as the plain text
+        # they spell. `_plain_first` for text at the very start of a prompt, `_plain_inner` for
+        # text that follows a control token (SentencePiece's dummy "▁" prefix only comes first).
+        # Never reconfigured after this, so worker threads may share them.
+        self._plain_first, self._plain_inner = _plain_copies(hf)
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str) -> Tokenizer:
@@ -236,12 +243,83 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
-        """Special tokens written in ``text`` always parse as specials; BOS only if wanted."""
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special: bool = True, *,
+               parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``, BOS first if ``add_special`` and the model wants one.
+
+        User text is text: a special token's string written in ``text`` (``"<|im_end|>"``)
+        encodes as the plain text it spells. Only ``parse_special`` (for trusted text that the
+        server wrote itself) makes such strings the control tokens; token ids are the one way a
+        client sends those.
+        """
+        tk = self._tk if parse_special else self._plain_first
+        ids = tk.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos:
             ids.insert(0, self.bos_id)  # type: ignore[arg-type]
         return ids
+
+    def encode_template(self, text: str, holes: Sequence[tuple[int, int, str]] = (),
+                        add_special: bool = True) -> list[int]:
+        """Ids of a rendered chat template: special tokens in ``text`` parse as control tokens,
+        and each hole ``(start, end, plain)`` (a span of ``text``) stands for the user text
+        ``plain``, which encodes as text however it is spelled.
+
+        ``text`` must spell no special token of user origin: the template put user text in with
+        every special-token string swapped for a placeholder, and the holes are those
+        placeholders (`ChatTemplate.render_guarded`). Without holes this is exactly
+        ``encode(text, parse_special=True)``; with them, the ids of the same text with the
+        user's markers made harmless.
+        """
+        if holes:
+            ids = self._fill_holes(text, sorted(holes))
+        else:
+            ids = self._tk.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            ids.insert(0, self.bos_id)  # type: ignore[arg-type]
+        return ids
+
+    def _fill_holes(self, text: str, holes: list[tuple[int, int, str]]) -> list[int]:
+        # Each hole becomes one private-use character; HF finds the control tokens in that
+        # text (only the template's: no hole spells one) and cuts it at them into stretches it
+        # encodes independently (a token's offsets cover any whitespace its lstrip/rstrip
+        # swallows). A stretch with holes is encoded again as text, holes filled; the others
+        # keep their ids, which is just what HF would give for the whole text.
+        parts, marks, pos, n = [], [], 0, 0  # marks: (position in `compact`, plain text)
+        for start, end, plain in holes:
+            parts += [text[pos:start], _HOLE]
+            n += start - pos
+            marks.append((n, plain))
+            n, pos = n + 1, end
+        parts.append(text[pos:])
+        compact = "".join(parts)
+        at = [m[0] for m in marks]
+        enc = self._tk.encode(compact, add_special_tokens=False)
+        ids, special = enc.ids, self.special_ids
+        out: list[int] = []
+        h, seg_start, seg_ids = 0, 0, 0  # next mark; current stretch's first char and id
+        for i in [*(i for i, t in enumerate(ids) if t in special), len(ids)]:
+            if i < len(ids):
+                a, b = enc.token_to_chars(i)
+                k = bisect.bisect_left(at, a)
+                if k < len(at) and at[k] < b:  # a token over a hole is no control token
+                    continue
+            else:
+                a = b = len(compact)
+            if h < len(marks) and marks[h][0] < a:
+                pieces, p = [], seg_start
+                while h < len(marks) and marks[h][0] < a:
+                    m, plain = marks[h]
+                    pieces += [compact[p:m], plain]
+                    p, h = m + 1, h + 1
+                pieces.append(compact[p:a])
+                tk = self._plain_first if seg_start == 0 else self._plain_inner
+                out += tk.encode("".join(pieces), add_special_tokens=False).ids
+            else:
+                out += ids[seg_ids:i]
+            if i < len(ids):
+                out.append(ids[i])
+            seg_start, seg_ids = b, i + 1
+        return out
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special)
@@ -276,6 +354,36 @@ class Tokenizer:
     def to_hf_tokenizer_json(self) -> str:
         """Serialized ``tokenizer.json`` so exported models load in transformers."""
         return self._tk.to_str()
+
+
+def _plain_copies(hf: HFTokenizer) -> tuple[HFTokenizer, HFTokenizer]:
+    """Two copies of ``hf`` that encode special tokens' strings as text: as ``hf`` does at the
+    start of a text, and as it does after a control token (no Metaspace "first" prefix)."""
+    source = hf.to_str()
+    first = HFTokenizer.from_str(source)
+    first.encode_special_tokens = True
+    if '"prepend_scheme":"first"' not in source:
+        return first, first
+    config = json.loads(source)
+
+    def no_first(node: Any) -> bool:
+        changed = False
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                node["prepend_scheme"] = "never"
+                changed = True
+            for v in node.values():
+                changed = no_first(v) or changed
+        elif isinstance(node, list):
+            for v in node:
+                changed = no_first(v) or changed
+        return changed
+
+    if not no_first(config.get("pre_tokenizer")):
+        return first, first
+    inner = HFTokenizer.from_str(json.dumps(config))
+    inner.encode_special_tokens = True
+    return first, inner
 
 
 def _hf_chat_template(path: Path, cfg: Mapping[str, Any]) -> str | None:
