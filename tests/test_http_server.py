@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from slotserve.api.app import create_app
@@ -414,6 +414,20 @@ def test_graceful_shutdown_ends_streams_cleanly() -> None:
 
 # ---- fuzz ----------------------------------------------------------------------------------
 
+# Numbers that pass a naive range check and break float32 arithmetic (1e-50 is 0 there, 1e308
+# inf), or that no float holds (10**400); keys that int() takes but are no plain token id.
+_hostile = st.sampled_from([1e-50, 1e-45, 1e-40, 5e-324, 1e-30, 1e308, -1e308, 10**400,
+                            -(10**400), 2**64, 0.01, 100.0, 100.5])
+_bad_ids = st.sampled_from(["1_000", " 1", "1 ", "\u0663", "\u0661\u0660", "\uff11", "+1",
+                            "-1", "0x1", "1e3", "", "01", "99999999999999999999", "49152"])
+_raw_hostile = st.sampled_from([  # JSON that json.dumps never writes
+    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400, "max_tokens": 2}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1e400, "max_tokens": 2}',
+    b'{"prompt": "hi", "repetition_penalty": 1e-400, "max_tokens": 2, "logprobs": 2}',
+    b'{"prompt": "hi", "logit_bias": {"5": 1e999}, "max_tokens": 2}',
+    b'{"prompt": "hi", "frequency_penalty": Infinity, "max_tokens": 2}',
+    b'{"prompt": "hi", "temperature": NaN, "max_tokens": 2}',
+])
 _scalar = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
            | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
 _json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3)
@@ -427,16 +441,19 @@ _fields = {
     "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 60_000), max_size=5) | _json,
     "stream": st.booleans() | _json, "stream_options": _json,
     "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=3) | _json,
-    "temperature": st.floats(-1, 3) | _json, "top_p": st.floats(-0.5, 1.5) | _json,
-    "top_k": st.integers(-3, 100) | _json, "min_p": st.floats(-1, 2) | _json,
-    "seed": st.integers() | _json, "frequency_penalty": st.floats(-3, 3) | _json,
-    "presence_penalty": _json, "repetition_penalty": st.floats(-1, 3) | _json,
-    "logit_bias": st.dictionaries(st.integers(-10, 60_000).map(str), st.floats(-200, 200),
-                                  max_size=3) | _json,
+    "temperature": st.floats(-1, 3) | _hostile | _json,
+    "top_p": st.floats(-0.5, 1.5) | _hostile | _json,
+    "top_k": st.integers(-3, 100) | _hostile | _json, "min_p": st.floats(-1, 2) | _hostile | _json,
+    "seed": st.integers() | _json, "frequency_penalty": st.floats(-3, 3) | _hostile | _json,
+    "presence_penalty": _hostile | _json,
+    "repetition_penalty": st.floats(-1, 3) | _hostile | _hostile | _json,
+    "logit_bias": st.dictionaries(st.integers(-10, 60_000).map(str) | _bad_ids,
+                                  st.floats(-200, 200) | _hostile, max_size=3) | _json,
     "logprobs": st.booleans() | st.integers(-1, 30) | _json,
     "top_logprobs": st.integers(-1, 30) | _json, "n": st.integers(0, 3) | _json,
     "tools": _json, "tool_choice": st.sampled_from(["auto", "none", "required"]) | _json,
-    "response_format": _json, "echo": _json, "ignore_eos": _json,
+    "response_format": st.just({"type": "json_object"}) | _json, "echo": _json,
+    "ignore_eos": _json,
     "max_tokens": _json, "max_completion_tokens": _json,
 }
 
@@ -477,11 +494,41 @@ _requests = st.one_of(
 ).map(lambda t: (t[0], _bounded({**t[1], **t[2]})))
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} in a response: not JSON")
+
+
+def strict_json(text: str | bytes) -> Any:
+    """json.loads without NaN / Infinity (which Python's json takes and writes by default)."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+_HI = [{"role": "user", "content": "hi"}]
+
+
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(request=_requests, raw=st.none() | st.none() | st.none() | st.binary(max_size=40))
+@given(request=_requests, raw=st.none() | st.none() | st.none() | st.binary(max_size=40)
+       | _raw_hostile)
+@example(request=("/v1/chat/completions", {"messages": _HI, "max_tokens": 2, "logprobs": True,
+                                           "repetition_penalty": 1e-50, "ignore_eos": True}),
+         raw=None)
+@example(request=("/v1/chat/completions", {"messages": _HI, "max_tokens": 2, "temperature": 0,
+                                           "repetition_penalty": 1e-50, "ignore_eos": True,
+                                           "response_format": {"type": "json_object"}}),
+         raw=None)
+@example(request=("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 3,
+                                      "repetition_penalty": 1e308}), raw=None)
+@example(request=("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True,
+                                      "logprobs": 1, "top_p": 1e-50}), raw=None)
+@example(request=("/v1/chat/completions", {"messages": _HI, "max_tokens": 2,
+                                           "temperature": 10**400}), raw=None)
+@example(request=("/v1/chat/completions", {"messages": _HI, "max_tokens": 2,
+                                           "logit_bias": {"\u0663": 5, "1_000": 1, " 1": 2}}),
+         raw=None)
 def test_fuzz_never_5xx(http: httpx.Client, request: tuple[str, dict[str, Any]],
                         raw: bytes | None) -> None:
+    """Nothing a client sends gets a 5xx, and every answer is strict JSON (no NaN)."""
     path, body = request
     content = raw if raw is not None else json.dumps(body).encode()
     with http.stream("POST", path, content=content,
@@ -490,6 +537,33 @@ def test_fuzz_never_5xx(http: httpx.Client, request: tuple[str, dict[str, Any]],
         assert r.status_code < 500, data[:500]
         if r.headers.get("content-type", "").startswith("text/event-stream"):
             assert data.rstrip().endswith(b"data: [DONE]")
+            events = [line[6:] for line in data.decode().splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            assert events and all(isinstance(strict_json(e), dict) for e in events)
         else:
-            payload = json.loads(data)
+            payload = strict_json(data)
             assert "error" in payload if r.status_code >= 400 else "choices" in payload
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"repetition_penalty": 1e-50}, "repetition_penalty"),  # 0 in float32: NaN logits
+    ({"repetition_penalty": 1e308}, "repetition_penalty"),  # inf in float32
+    ({"top_p": 1e-50}, "top_p"),
+    ({"temperature": 10**400}, "temperature"),  # no float holds it
+    ({"logit_bias": {"1_000": 1}}, "logit_bias"),  # int() takes these three
+    ({"logit_bias": {" 1": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias"),  # one past the vocabulary
+])
+def test_numbers_checked_as_the_sampler_uses_them(http: httpx.Client, extra: dict[str, Any],
+                                                  param: str) -> None:
+    for path, base in (("/v1/chat/completions", {"messages": _HI}), ("/v1/completions",
+                                                                      {"prompt": "hi"})):
+        r = http.post(path, json={**base, "max_tokens": 2, "logprobs": 1 if "prompt" in base
+                                  else True, **extra,
+                                  "response_format": {"type": "json_object"}})
+        err = strict_json(r.content)["error"]
+        assert r.status_code == 400 and err["param"] == param, (path, err)
+    r = http.post("/v1/messages", content=b'{"max_tokens": 2, "temperature": 1e400, '
+                  b'"messages": [{"role": "user", "content": "hi"}]}')
+    assert r.status_code == 400 and strict_json(r.content)["type"] == "error"

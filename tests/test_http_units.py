@@ -55,6 +55,16 @@ def test_parse_body_rejects(raw: bytes, needle: str) -> None:
     ({"messages": USER, "stop": [1]}, "stop"),
     ({"messages": USER, "n": 2}, "n"),
     ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias"),
+    # int() takes these, a token id is plain ASCII digits
+    ({"messages": USER, "logit_bias": {"1_000": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {" 1": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"1\n": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"\u0663": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"\uff11": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"5": float("inf")}}, "logit_bias"),
+    ({"messages": USER, "temperature": float("inf")}, "temperature"),  # JSON's 1e400
+    ({"messages": USER, "repetition_penalty": 10**400}, "repetition_penalty"),  # no float
     ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": USER, "stream": "yes"}, "stream"),
     ({"messages": USER, "tools": {}}, "tools"),
@@ -66,6 +76,14 @@ def test_parse_body_rejects(raw: bytes, needle: str) -> None:
 def test_parse_chat_names_the_field(body: dict, param: str) -> None:
     err = api_error(parse_chat, body)
     assert err.status == 400 and err.param == param, err.message
+
+
+def test_parse_chat_caps_messages() -> None:
+    from slotserve.api.limits import MAX_MESSAGES
+
+    parse_chat({"messages": USER * MAX_MESSAGES})
+    err = api_error(parse_chat, {"messages": USER * (MAX_MESSAGES + 1)})
+    assert err.status == 400 and (err.param, err.code) == ("messages", "array_above_max_length")
 
 
 def test_parse_chat_options() -> None:
@@ -141,6 +159,9 @@ def test_unclosed_and_broken_calls() -> None:
     content, calls = parse_tool_calls("<tool_call>not json</tool_call> ok", AUTO)
     assert calls == [] and content == "<tool_call>not json</tool_call> ok"
     assert parse_tool_calls("a < b <tool", AUTO) == ("a < b <tool", [])
+    for args in ('{"x": NaN}', '{"x": 1e400}', '"{\\"x\\": -Infinity}"'):  # no strict JSON
+        text = f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>'
+        assert parse_tool_calls(text, AUTO) == (text, []), args
 
 
 def test_bare_json_only_when_forced() -> None:

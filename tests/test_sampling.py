@@ -338,6 +338,30 @@ def test_logprobs_match_numpy_log_softmax() -> None:
     assert plain.tokens == res.tokens
 
 
+def test_extreme_valid_knobs_stay_finite() -> None:
+    """The edges validate accepts keep every token and logprob finite, even for large logits."""
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((8, 3000)) * 40).astype(np.float32)
+    knobs = [{"repetition_penalty": 0.01}, {"repetition_penalty": 100.0},
+             {"repetition_penalty": 0.01, "temperature": 1e-30},
+             {"repetition_penalty": 100.0, "top_p": 1e-30, "temperature": 2.0},
+             {"frequency_penalty": 2.0, "presence_penalty": -2.0, "min_p": 1e-30},
+             {"temperature": 1e-30, "logit_bias": {5: 1e300}},
+             {"top_p": 1e-30, "top_k": 3, "logit_bias": {7: -1e300}},
+             {"repetition_penalty": 0.01, "logit_bias": {9: 100.0}, "temperature": 2.0}]
+    params = [SamplingParams(seed=i, **k) for i, k in enumerate(knobs)]
+    for p in params:
+        p.validate(3000)
+    states = [RowState(p, prompt_tokens=list(range(0, 3000, 3))) for p in params]
+    for s in states:
+        for t in range(1, 3000, 7):
+            s.observe(t)
+    res = sample_rows(mx.array(logits), params, states, logprobs=True, top_logprobs=5)
+    assert all(0 <= t < 3000 for t in res.tokens)
+    assert all(math.isfinite(v) for v in res.logprobs)
+    assert all(math.isfinite(v) for row in res.top_logprobs for _, v in row)
+
+
 def test_positions_default_to_generated_count_and_states_untouched() -> None:
     logits = mx.array(np.random.default_rng(4).standard_normal((1, 200)).astype(np.float32))
     p = SamplingParams(seed=77)
@@ -363,6 +387,17 @@ def test_positions_default_to_generated_count_and_states_untouched() -> None:
         ({"min_p": -0.01}, "min_p"),
         ({"min_p": 1.5}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        # pass "> 0" and break float32: 0 there (NaN logits), inf, or no float at all
+        ({"repetition_penalty": 1e-50}, "repetition_penalty"),
+        ({"repetition_penalty": 1e308}, "repetition_penalty"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
+        ({"repetition_penalty": 0.0099}, "repetition_penalty"),
+        ({"repetition_penalty": 100.5}, "repetition_penalty"),
+        ({"top_p": 1e-50}, "top_p"),
+        ({"top_p": 1e-40}, "top_p"),  # subnormal in float32: GPUs flush it to 0
+        ({"temperature": 1e-45}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"min_p": math.inf}, "min_p"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": -3.0}, "presence_penalty"),
         ({"logit_bias": {100: 1.0}}, "out of range"),
@@ -379,7 +414,10 @@ def test_validate_rejects(kwargs: dict, message: str) -> None:
 
 def test_validate_accepts_edges() -> None:
     for kwargs in ({}, {"temperature": 0.0}, {"temperature": 2}, {"top_p": 1.0, "min_p": 1.0},
-                   {"logit_bias": {0: -100, 99: 150.0}}, {"seed": -5}, {"top_k": 1000}):
+                   {"logit_bias": {0: -100, 99: 150.0}}, {"seed": -5}, {"top_k": 1000},
+                   {"repetition_penalty": 0.01}, {"repetition_penalty": 100},
+                   {"temperature": 1e-30}, {"top_p": 1e-30}, {"min_p": 1e-50},
+                   {"frequency_penalty": -2, "presence_penalty": 2}):
         SamplingParams(**kwargs).validate(vocab_size=100)
 
 

@@ -19,9 +19,10 @@ from typing import Any
 from quart import Response
 
 from slotserve.actors.messages import Delta
-from slotserve.api.errors import APIError, bad_request
+from slotserve.api.errors import APIError, bad_request, dumps
 from slotserve.api.generation import ChatRun, engine_failure, start_chat, stream_response
-from slotserve.api.schemas import MAX_STOP, TINY_TEMPERATURE, cache_salt
+from slotserve.api.limits import check_message_count
+from slotserve.api.schemas import MAX_STOP, TINY_TEMPERATURE, cache_salt, finite
 from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tools import CLOSE, OPEN, ToolCall, ToolChoice
@@ -47,8 +48,8 @@ def error_payload(status: int, message: str) -> dict[str, Any]:
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(error_payload(status, message), ensure_ascii=False),
-                    status=status, headers=headers, content_type="application/json")
+    return Response(dumps(error_payload(status, message)), status=status, headers=headers,
+                    content_type="application/json")
 
 
 def api_error_response(exc: APIError) -> Response:
@@ -57,8 +58,7 @@ def api_error_response(exc: APIError) -> Response:
 
 
 def sse(kind: str, payload: dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: ".encode() + json.dumps(payload, ensure_ascii=False).encode() \
-        + b"\n\n"
+    return f"event: {kind}\ndata: ".encode() + dumps(payload).encode() + b"\n\n"
 
 
 # ---- the request ---------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def _number(body: dict[str, Any], key: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_request(f"{key}: must be a number, got {_kind(value)}", key)
-    return float(value)
+    return finite(value, key, key)
 
 
 def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
@@ -127,6 +127,7 @@ def parse_messages(body: dict[str, Any]) -> MessagesRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: must be a non-empty array of messages", "messages")
+    check_message_count(len(messages))
     checked = [_message(m, i) for i, m in enumerate(messages)]
     system = body.get("system")
     system_text = None if system is None else _text_blocks(system, "system")
@@ -422,10 +423,10 @@ async def messages(state: AppState, req: MessagesRequest) -> Response:
         return error_response(err.status, err.message, err.headers)
     _apply(answer.finish(), content, text_of)
     reason, sequence = answer.stop(final)
-    return Response(json.dumps({
+    return Response(dumps({
         "id": ids[0], "type": "message", "role": "assistant", "model": ids[1],
         "content": content, "stop_reason": reason, "stop_sequence": sequence,
-        "usage": _usage(run, final)}, ensure_ascii=False), content_type="application/json")
+        "usage": _usage(run, final)}), content_type="application/json")
 
 
 def _apply(events: list[tuple[str, dict[str, Any]]], content: list[dict[str, Any]],

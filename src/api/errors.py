@@ -36,9 +36,17 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 def json_response(payload: Any, status: int = 200,
                   headers: dict[str, str] | None = None) -> Response:
-    """UTF-8 JSON as the payload is ordered (Quart's jsonify sorts and escapes)."""
-    return Response(json.dumps(payload, ensure_ascii=False), status=status, headers=headers,
+    """UTF-8 JSON as the payload is ordered (Quart's jsonify sorts and escapes).
+
+    Strict JSON: a NaN or infinity in the payload is a bug, raised here as ValueError (a 500),
+    never written as the invalid `NaN` / `Infinity`."""
+    return Response(dumps(payload), status=status, headers=headers,
                     content_type="application/json")
+
+
+def dumps(payload: Any) -> str:
+    """The JSON text of every response body and event: strict (ValueError on NaN / inf)."""
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
 
 # HTTP status -> (type, code) for errors raised by the framework itself (routing, body size).

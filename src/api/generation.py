@@ -26,6 +26,7 @@ from slotserve.actors.admission import (
 from slotserve.actors.messages import Delta, TokenLogprob
 from slotserve.actors.session import Session
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
+from slotserve.api.limits import chat_texts, refuse_unfit
 from slotserve.api.responses import LogprobFormatter, ResponseIds
 from slotserve.api.schemas import FLOAT_KNOBS, ChatRequest, CompletionRequest
 from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
@@ -169,6 +170,8 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     `prefill`: text the assistant's reply starts with (already written; not generated).
     """
     engine = state.ready_engine()
+    source = engine.template.source if engine.template is not None else None
+    await refuse_unfit(state, engine, chat_texts(messages, prefill, source), "messages")
     tools = tools if choice.mode != "none" else None
     if tools and choice.mode == "function":
         tools = [t for t in tools if t["function"]["name"] == choice.name]
@@ -306,6 +309,7 @@ def _error_event(final: Delta | None) -> bytes:
 async def completion(state: AppState, req: CompletionRequest) -> Response:
     engine = state.ready_engine()
     tok = engine.tokenizer
+    await refuse_unfit(state, engine, req.prompt, "prompt")
     if isinstance(req.prompt, str):  # text; token ids are the way to send control tokens
         ids = await asyncio.to_thread(tok.encode, req.prompt)
     else:

@@ -9,6 +9,14 @@ from typing import Any
 
 from slotserve.actors.messages import TokenLogprob, Usage
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0 (logprob -inf)
+
+
+def logprob(value: float) -> float:
+    """A logprob for JSON: -inf (a token the grammar forbade) is OpenAI's -9999.0. NaN stays
+    NaN, so the strict serializer refuses it: it would be a bug, not a probability."""
+    return LOGPROB_FLOOR if value < LOGPROB_FLOOR else value
+
 
 def usage_dict(u: Usage | None) -> dict[str, Any]:
     u = u or Usage()
@@ -35,8 +43,9 @@ class LogprobFormatter:
             alts = []
             for tok, value in (lp.top or [])[:top]:
                 t, b = self._text(tok)
-                alts.append({"token": t, "logprob": value, "bytes": b})
-            out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": alts})
+                alts.append({"token": t, "logprob": logprob(value), "bytes": b})
+            out.append({"token": text, "logprob": logprob(lp.logprob), "bytes": raw,
+                        "top_logprobs": alts})
         return out
 
     def completion(self, lps: list[TokenLogprob], top: int, offset: int) -> dict[str, Any]:
@@ -45,8 +54,9 @@ class LogprobFormatter:
         for lp in lps:
             text, _ = self._text(lp.token)
             tokens.append(text)
-            values.append(lp.logprob)
-            tops.append({self._text(t)[0]: v for t, v in (lp.top or [])[:top]} if top else None)
+            values.append(logprob(lp.logprob))
+            tops.append({self._text(t)[0]: logprob(v) for t, v in (lp.top or [])[:top]}
+                        if top else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,

@@ -8,9 +8,10 @@ line every `interval` seconds until something real arrives.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
+
+from slotserve.api.errors import dumps
 
 T = TypeVar("T")
 
@@ -22,7 +23,8 @@ _END = object()
 
 
 def event(payload: Any) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    """One `data:` event; strict JSON (see `errors.dumps`): a NaN ends the stream as an error."""
+    return b"data: " + dumps(payload).encode() + b"\n\n"
 
 
 async def with_keepalive(source: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:

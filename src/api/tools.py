@@ -114,7 +114,10 @@ def _call(obj: Any, default_name: str | None) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    try:
+        return ToolCall(name, json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except ValueError:  # NaN or 1e400 (json.loads takes both): no JSON a client can parse
+        return None
 
 
 def _opener_prefix(buf: str) -> int:

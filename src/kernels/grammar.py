@@ -61,6 +61,18 @@ class _Vocab:
         return self._tokenizer.encode(text, add_special=False)
 
 
+_MAX_ERROR = 500  # characters of an llguidance message that a response may carry
+
+
+def public_error(message: str) -> str:
+    """An llguidance error as a response may show it: its message without the parser state and
+    grammar dump it appends (`<state>...`, `<grammar>...`), and not unboundedly long."""
+    cut = min((i for i in (message.find("<state>"), message.find("<grammar>")) if i >= 0),
+              default=len(message))
+    text = message[:cut].strip() or "the grammar failed"
+    return text if len(text) <= _MAX_ERROR else text[:_MAX_ERROR] + "..."
+
+
 def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
     """The llguidance tokenizer for a slotserve Tokenizer, built once and cached."""
     with _cache_lock:
@@ -86,7 +98,8 @@ class Grammar:
 
         self._proto = llguidance.LLMatcher(lltok, source, log_level=0)
         if self._proto.is_error():
-            raise ValueError(f"response_format: invalid {kind}: {self._proto.get_error()}")
+            raise ValueError(f"response_format: invalid {kind}: "
+                             f"{public_error(self._proto.get_error())}")
         # the tokens the grammar allows once it is complete; they end the request
         self.stop_ids = frozenset(lltok.eos_tokens)
         self.vocab_size = lltok.vocab_size
@@ -112,7 +125,10 @@ class Matcher:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     def consume(self, token: int) -> bool:
-        return self._m.consume_token(token)
+        ok = self._m.consume_token(token)
+        if not ok:  # the parser's state goes to the log, never into a response
+            log.warning("grammar rejected a token", token=token, detail=self._m.get_error())
+        return ok
 
     @property
     def stopped(self) -> bool:
@@ -121,7 +137,10 @@ class Matcher:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        """Why the match failed, as a response may say it. Not the caller's mistake (the
+        sampler only picks allowed tokens), so no detail: llguidance's message, parser state
+        and grammar go to the log (see `consume`)."""
+        return "a sampled token does not satisfy the grammar" if self._m.is_error() else None
 
 
 def compile_response_format(fmt: Mapping[str, Any] | None, tokenizer: Any) -> Grammar | None:
@@ -160,7 +179,7 @@ def compile_response_format(fmt: Mapping[str, Any] | None, tokenizer: Any) -> Gr
         source = llguidance.LLMatcher.grammar_from_json_schema(
             text, overrides=options)  # type: ignore[arg-type]
     except (ValueError, TypeError, RecursionError) as exc:
-        raise ValueError(f"response_format: invalid {kind}: {exc}") from None
+        raise ValueError(f"response_format: invalid {kind}: {public_error(str(exc))}") from None
     return Grammar(kind, source, ll_tokenizer(tokenizer))
 
 

@@ -44,6 +44,8 @@ import numpy as np
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
+    "MIN_TEMPERATURE",
+    "REPETITION_PENALTY_RANGE",
     "RowState",
     "SampleDraft",
     "SampleResult",
@@ -62,6 +64,12 @@ _TOP_P_PREFIX = 1024
 # Second prefix, from a partition on the host, for nuclei wider than the first.
 _TOP_P_WIDE = 8192
 _U64 = (1 << 64) - 1
+# Below this, 1 / temperature overflows float32 (the HTTP API sends such values as 0).
+MIN_TEMPERATURE = 1e-30
+_F32_TINY = float(np.finfo(np.float32).tiny)
+# Logits are divided or multiplied by at most 100: |z| grows at most 100-fold, so penalised
+# logits stay finite (and their differences too) for any logits a model produces.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -99,40 +107,70 @@ class SamplingParams:
         )
 
     def validate(self, vocab_size: int) -> None:
-        """Reject bad requests up front with a message a client can act on."""
+        """Reject bad requests up front with a message a client can act on.
+
+        Every knob is checked as the sampler uses it, in float32: a value that rounds to 0 or
+        overflows there (top_p 1e-50, repetition_penalty 1e-50 or 1e308) is refused, and the
+        ranges keep every step finite for finite logits (no NaN can reach a token or logprob).
+        """
 
         def number(name: str, value: object) -> float:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
-            return float(value)
+            try:
+                out = float(value)
+            except OverflowError:  # an int beyond any float
+                out = math.inf
+            if not math.isfinite(out):
+                raise ValueError(f"{name} must be finite, got {_short(value)}")
+            return out
 
-        if not 0.0 <= number("temperature", self.temperature) <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if not 0.0 < number("top_p", self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= number("min_p", self.min_p) <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if number("repetition_penalty", self.repetition_penalty) <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("frequency_penalty", "presence_penalty"):
+        def within(name: str, lo: float, hi: float, *, open_lo: bool = False) -> float:
             value = number(name, getattr(self, name))
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            with np.errstate(over="ignore", under="ignore"):
+                f32, lo32, hi32 = (np.float32(v) for v in (value, lo, hi))
+            ok = (lo < value if open_lo else lo <= value) and value <= hi
+            ok32 = (lo32 < f32 if open_lo else lo32 <= f32) and f32 <= hi32
+            if not (ok and ok32):
+                bounds = f"({lo:g}, {hi:g}]" if open_lo else f"[{lo:g}, {hi:g}]"
+                cast = f" ({float(f32):g} in float32)" if ok else ""
+                raise ValueError(f"{name} must be in {bounds}, got {_short(value)}{cast}")
+            return value
+
+        temperature = within("temperature", 0.0, 2.0)
+        if 0.0 < temperature < MIN_TEMPERATURE:  # 1 / temperature would overflow float32
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 2], "
+                             f"got {temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables), got "
+                             f"{_short(self.top_k)}")
+        if within("top_p", 0.0, 1.0, open_lo=True) < _F32_TINY:  # GPUs flush subnormals to 0
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (below float32's "
+                             f"smallest normal number)")
+        within("min_p", 0.0, 1.0)
+        within("repetition_penalty", *REPETITION_PENALTY_RANGE)
+        within("frequency_penalty", -2.0, 2.0)
+        within("presence_penalty", -2.0, 2.0)
         for token, bias in (self.logit_bias or {}).items():
             if isinstance(token, bool) or not isinstance(token, int):
-                raise ValueError(f"logit_bias keys must be integer token ids, got {token!r}")
+                raise ValueError(f"logit_bias keys must be integer token ids, got "
+                                 f"{_short(token)}")
             if not 0 <= token < vocab_size:
                 raise ValueError(
-                    f"logit_bias token id {token} is out of range [0, {vocab_size})"
+                    f"logit_bias token id {_short(token)} is out of range [0, {vocab_size})"
                 )
-            number(f"logit_bias[{token}]", bias)
+            number(f"logit_bias[{token}]", bias)  # clamped to [-100, 100] when applied
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ValueError(f"seed must be an integer, got {_short(self.seed)}")
+
+
+def _short(value: object) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4,300-digit str limit
+        return "an integer of over 4300 digits"
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 class RowState:
