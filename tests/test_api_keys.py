@@ -264,8 +264,11 @@ def test_served_with_key_file_two_keys(tmp_path: Path) -> None:
         assert http.get("/health").status_code == 200  # open without a key
         assert_openai_401(http.get("/v1/models"))
         assert_openai_401(http.get("/v1/models", headers=bearer(WRONG)), WRONG)
-        assert_openai_401(http.post("/v1/chat/completions", headers=bearer(WRONG),
-                                    json={"messages": FRANCE, "max_tokens": 1}), WRONG)
+        refused = http.post("/v1/chat/completions", headers=bearer(WRONG),
+                            json={"messages": FRANCE, "max_tokens": 1})
+        assert_openai_401(refused, WRONG)
+        # refused before its body was read: the connection must not be reused
+        assert refused.headers["Connection"] == "close"
         for key in FILE_KEYS:
             r = http.post("/v1/chat/completions", headers=bearer(key),
                           json={"messages": FRANCE, "max_tokens": 1})
@@ -274,6 +277,7 @@ def test_served_with_key_file_two_keys(tmp_path: Path) -> None:
         body = {"max_tokens": 1, "messages": FRANCE}
         r = http.post("/v1/messages", json=body, headers={"x-api-key": WRONG})
         assert r.status_code == 401 and WRONG not in r.text
+        assert r.headers["Connection"] == "close"
         assert r.json()["type"] == "error"
         assert r.json()["error"]["type"] == "authentication_error"
         r = http.post("/v1/messages", json=body, headers={"x-api-key": FILE_KEYS[1]})

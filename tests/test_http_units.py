@@ -271,3 +271,14 @@ def test_banner_has_url_and_curl() -> None:
     assert "auth: 1 API key" in text
     assert "sk-banner-key" not in text  # the key itself is never printed
     assert "no API key" in startup_banner("0.0.0.0", 8123)
+
+
+def test_json_text_never_holds_a_raw_line_separator() -> None:
+    """U+0085 / U+2028 / U+2029 are escaped: splitlines-based SSE readers (requests'
+    iter_lines) would cut a data line at them; the JSON still decodes to the same text."""
+    from slotserve.api.errors import dumps
+
+    payload = {"delta": {"content": "a\u2028b\u2029c\x85d \u00e9"}}
+    text = dumps(payload)
+    assert len(("data: " + text).splitlines()) == 1
+    assert json.loads(text) == payload and "\u00e9" in text

@@ -87,11 +87,11 @@ def create_app(engine_config: EngineConfig | None = None,
             g.api_key = keys.match(request.headers.get("x-api-key", "").strip())
             if g.api_key is not None:
                 return None
-            return anthropic.error_response(401, "invalid or missing API key (send "
-                                                 "'x-api-key: <key>')")
-        return json_response(error_body("invalid or missing API key (send 'Authorization: "
-                                        "Bearer <key>')", code="invalid_api_key"), 401,
-                             {"WWW-Authenticate": "Bearer"})
+            return unread_body_refusal(anthropic.error_response(
+                401, "invalid or missing API key (send 'x-api-key: <key>')"))
+        return unread_body_refusal(json_response(
+            error_body("invalid or missing API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"}))
 
     @app.after_request
     async def log_request(response: Response) -> Response:
@@ -189,6 +189,16 @@ def create_app(engine_config: EngineConfig | None = None,
                               "status": state.status})
 
     return app
+
+
+def unread_body_refusal(response: Response) -> Response:
+    """A refusal sent before the request's body was read closes the connection: the unread
+    body would otherwise be taken for the next request on a kept-alive connection (the
+    server drops it; a client that had already sent its next request there sees "server
+    disconnected without a response")."""
+    if request.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in request.headers:
+        response.headers["Connection"] = "close"
+    return response
 
 
 def model_card(state: AppState) -> dict[str, Any]:

@@ -45,8 +45,16 @@ def json_response(payload: Any, status: int = 200,
 
 
 def dumps(payload: Any) -> str:
-    """The JSON text of every response body and event: strict (ValueError on NaN / inf)."""
-    return json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    """The JSON text of every response body and event: strict (ValueError on NaN / inf).
+
+    U+0085, U+2028 and U+2029 (valid raw in JSON strings) are escaped: line readers built
+    on str.splitlines (Python requests' iter_lines, among others) split an SSE data line at
+    them, and the client then sees an unterminated string."""
+    text = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    if "\x85" in text or "\u2028" in text or "\u2029" in text:
+        text = text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028")
+        text = text.replace("\u2029", "\\u2029")
+    return text
 
 
 # HTTP status -> (type, code) for errors raised by the framework itself (routing, body size).

@@ -16,6 +16,7 @@ from typing import Any
 from slotserve.api.errors import APIError, bad_request
 from slotserve.api.limits import check_message_count
 from slotserve.api.tools import ToolChoice
+from slotserve.kernels.sampling import short_repr
 
 MAX_STOP = 16
 MAX_CACHE_SALT = 1024  # characters
@@ -140,16 +141,8 @@ def finite(value: int | float, name: str, param: str) -> float:
     except OverflowError:
         out = math.inf
     if not math.isfinite(out):
-        raise bad_request(f"{name} must be a finite number, got {_short(value)}", param)
+        raise bad_request(f"{name} must be a finite number, got {short_repr(value)}", param)
     return out
-
-
-def _short(value: Any) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's 4,300-digit str limit
-        return "an integer of over 4300 digits"
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 def _str(body: dict[str, Any], key: str) -> str | None:
@@ -223,7 +216,7 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
     for key, b in bias.items():
         if not _TOKEN_ID.fullmatch(key):  # not int(): it takes " 1", "1_000" and "٣"
             raise bad_request(f"'logit_bias' keys must be token ids in plain decimal digits, "
-                              f"got {_short(key)}", "logit_bias")
+                              f"got {short_repr(key)}", "logit_bias")
         if isinstance(b, bool) or not isinstance(b, int | float):
             raise bad_request(f"'logit_bias[{key}]' must be a number, got {_kind(b)}",
                               "logit_bias")

@@ -122,7 +122,7 @@ class SamplingParams:
             except OverflowError:  # an int beyond any float
                 out = math.inf
             if not math.isfinite(out):
-                raise ValueError(f"{name} must be finite, got {_short(value)}")
+                raise ValueError(f"{name} must be finite, got {short_repr(value)}")
             return out
 
         def within(name: str, lo: float, hi: float, *, open_lo: bool = False) -> float:
@@ -134,7 +134,7 @@ class SamplingParams:
             if not (ok and ok32):
                 bounds = f"({lo:g}, {hi:g}]" if open_lo else f"[{lo:g}, {hi:g}]"
                 cast = f" ({float(f32):g} in float32)" if ok else ""
-                raise ValueError(f"{name} must be in {bounds}, got {_short(value)}{cast}")
+                raise ValueError(f"{name} must be in {bounds}, got {short_repr(value)}{cast}")
             return value
 
         temperature = within("temperature", 0.0, 2.0)
@@ -143,7 +143,7 @@ class SamplingParams:
                              f"got {temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables), got "
-                             f"{_short(self.top_k)}")
+                             f"{short_repr(self.top_k)}")
         if within("top_p", 0.0, 1.0, open_lo=True) < _F32_TINY:  # GPUs flush subnormals to 0
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (below float32's "
                              f"smallest normal number)")
@@ -154,18 +154,20 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             if isinstance(token, bool) or not isinstance(token, int):
                 raise ValueError(f"logit_bias keys must be integer token ids, got "
-                                 f"{_short(token)}")
+                                 f"{short_repr(token)}")
             if not 0 <= token < vocab_size:
                 raise ValueError(
-                    f"logit_bias token id {_short(token)} is out of range [0, {vocab_size})"
+                    f"logit_bias token id {short_repr(token)} is out of range [0, {vocab_size})"
                 )
             number(f"logit_bias[{token}]", bias)  # clamped to [-100, 100] when applied
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer, got {_short(self.seed)}")
+            raise ValueError(f"seed must be an integer, got {short_repr(self.seed)}")
 
 
-def _short(value: object) -> str:
+def short_repr(value: object) -> str:
+    """A value for an error message: its repr, cut to ~40 characters (never the whole of a
+    huge input, and never an exception for an int past Python's digit limit)."""
     try:
         text = repr(value)
     except ValueError:  # an int past Python's 4,300-digit str limit
