@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import anyio
+
+from slotserve.actors.messages import Delta
 from slotserve.engine import Engine
 
 T = TypeVar("T")
@@ -49,3 +52,11 @@ class EngineHarness:
         self.call(lambda: self.engine.__aexit__(None, None, None))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+async def signal_first(stream: AsyncIterator[Delta], event: anyio.Event) -> AsyncIterator[Delta]:
+    """The stream as it is, setting `event` once its first token is out (prefill done)."""
+    async for delta in stream:
+        if delta.token_ids:
+            event.set()
+        yield delta

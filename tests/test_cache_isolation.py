@@ -6,16 +6,15 @@ tenant's agents share their system prompt. The tokens are the same bits either w
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from engine_harness import EngineHarness
+from engine_harness import EngineHarness, signal_first
 
 from slotserve.actors.admission import namespace_for
-from slotserve.actors.messages import Delta
 from slotserve.api.app import create_app
 from slotserve.api.errors import APIError
 from slotserve.api.schemas import parse_chat, parse_completion
@@ -183,20 +182,13 @@ def test_a_busy_conversation_shares_its_pages_only_with_its_namespace(
                                       ignore_eos=True, cache_namespace="acme")
         async with anyio.create_task_group() as tg:
             tg.start_soon(short)
-            await engine.collect(_signal_first(engine.generate(request), decoding))
+            await engine.collect(signal_first(engine.generate(request), decoding))
 
     for tenant in ("globex", "acme"):
         drop(h)
         h.call(lambda t=tenant: both(t))
     assert cached(out["globex"]) == 0 and cached(out["acme"]) >= 2 * BLOCK
     assert out["globex"].token_ids == out["acme"].token_ids  # seeded sampling, same bits
-
-
-async def _signal_first(stream: AsyncIterator[Delta], event: anyio.Event) -> AsyncIterator[Delta]:
-    async for delta in stream:
-        if delta.token_ids:
-            event.set()
-        yield delta
 
 
 def test_namespace_for() -> None:

@@ -5,15 +5,13 @@ tokens as a cold start, and the other conversation keeps all of its KV."""
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import mlx.core as mx
 import pytest
-from engine_harness import EngineHarness
+from engine_harness import EngineHarness, signal_first
 
-from slotserve.actors.messages import Delta
 from slotserve.actors.slot import common_prefix
 from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import KVPool, SlotKV
@@ -89,7 +87,7 @@ def test_sharing_with_a_conversation_still_generating(two_slots: EngineHarness) 
                                       ignore_eos=True)
         async with anyio.create_task_group() as tg:
             tg.start_soon(short)
-            out["long"] = await engine.collect(_signal_first(engine.generate(request),
+            out["long"] = await engine.collect(signal_first(engine.generate(request),
                                                              decoding))
 
     two_slots.call(both)
@@ -100,14 +98,6 @@ def test_sharing_with_a_conversation_still_generating(two_slots: EngineHarness) 
     alone = two_slots.call(lambda: engine.chat_complete(plan, max_tokens=48, temperature=0,
                                                         ignore_eos=True))
     assert alone.token_ids == out["long"].token_ids
-
-
-async def _signal_first(stream: AsyncIterator[Delta], event: anyio.Event) -> AsyncIterator[Delta]:
-    """The stream as it is, setting `event` once its first token is out (prefill done)."""
-    async for delta in stream:
-        if delta.token_ids:
-            event.set()
-        yield delta
 
 
 def _pool() -> KVPool:
