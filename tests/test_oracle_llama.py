@@ -260,7 +260,7 @@ def test_block_kernel_equals_its_kernels_one_by_one(smol: Any) -> None:
     got = block.host(lib, cpu_gemm.aligned_copy(x), Batch.build([(model.new_kv(), 0, n)]),
                      layer, model.rope)
     batch = Batch.build([(model.new_kv(), 0, n)])
-    a, (n0, n1), pool = block.attn, block._norms, batch.pool
+    a, (n0, n1, _, _), pool = block.attn, block._norms, batch.pool
     att = cpu_attention.attention_block(
         lib, a.qkv.kernel, cpu_gemm.rms_norm_host(lib, x, n0, block.eps), a.heads, a.kv_heads,
         a.head_dim, model.rope.host_tables(), pool.keys[layer], pool.values[layer],

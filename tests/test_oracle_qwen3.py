@@ -14,6 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from slotserve.kernels import native
+
 from slotserve.model.layers import Batch
 from slotserve.runtime.plain import greedy_tokens
 
@@ -59,6 +61,8 @@ def test_config_and_prefill_logits_match_hf(checkpoint: tuple[Path, Any]) -> Non
     loaded = load(path, device="cpu", with_tokenizer=False)
     assert loaded.config.family == "qwen3" and loaded.config.head_dim == 32
     model = loaded.model
+    # with the native kernels, the q/k head norms run inside block.c
+    assert model.runs_on_host() == (native.library() is not None)
     kv = model.new_kv()
     n = len(PROMPT)
     ours = model(mx.array(PROMPT), Batch.build([(kv, 0, n)]), logit_rows=list(range(n)))

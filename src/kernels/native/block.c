@@ -1,4 +1,4 @@
-/* One llama decoder block on host rows, in one call from Python.
+/* One llama-style decoder block (llama, Qwen3) on host rows, in one call from Python.
  *
  * The block's kernels (RMS norm, the QKV / output / gate+up / down matmuls, RoPE, the K/V
  * write, attention, SwiGLU, the residual adds) are the same functions Python calls one by
@@ -46,10 +46,12 @@ static float *buffer(int64_t floats) {
 
 /* x [R, H] (the residual stream) is updated in place:
  *   h = x + o(attention(rope(qkv(norm(x)))));  x = h + down(swiglu(gate_up(norm(h))))
+ * with, when q_norm is given (Qwen3), each q and k head RMS-normalized before RoPE.
  * write_rows: n_write rows x kv_heads pool rows for the real rows' K/V (padding rows
  * write nothing); the attention arguments are slot_attention's. */
 int slot_llama_block(float *x, int64_t R, int64_t H, const float *in_norm,
-                     const float *post_norm, float eps, const slot_matrix *qkv,
+                     const float *post_norm, float eps, const float *q_norm,
+                     const float *k_norm, const slot_matrix *qkv,
                      const slot_matrix *o, const slot_matrix *gate_up, const slot_matrix *down,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, const float *cos,
                      const float *sin, float *kpool, float *vpool, const int32_t *write_rows,
@@ -62,6 +64,12 @@ int slot_llama_block(float *x, int64_t R, int64_t H, const float *in_norm,
   int rc = (hn && y && att && res && gu && act) ? 0 : -2;
   if (rc == 0) rc = slot_rms_norm(x, R, H, in_norm, eps, hn);
   if (rc == 0) rc = matmul(qkv, hn, R, y);
+  /* Qwen3's per-head RMS norms of q and k (q_norm NULL: none), in place, before RoPE */
+  for (int64_t r = 0; q_norm != NULL && rc == 0 && r < R; r++) {
+    float *q = y + r * qkv_n, *k = q + heads * head_dim;
+    rc = slot_rms_norm(q, heads, head_dim, q_norm, eps, q);
+    if (rc == 0) rc = slot_rms_norm(k, kv_heads, head_dim, k_norm, eps, k);
+  }
   /* q and k heads are adjacent in the row: one RoPE pass over heads + kv_heads */
   if (rc == 0) rc = slot_rope(y, R, qkv_n, heads + kv_heads, head_dim, cos, sin, row_pos);
   if (rc == 0)

@@ -31,6 +31,9 @@ class Attention:
     # (cuda.rope_attention); subclasses that change q/k between projection and RoPE (Qwen3's
     # norms) opt out.
     native_block = True
+    # per-head RMS norms of q and k before RoPE (Qwen3 sets them); block.c applies them
+    q_norm: mx.array | None = None
+    k_norm: mx.array | None = None
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
                  quant: bool) -> None:
@@ -138,7 +141,9 @@ class Block:
     def runs_on_host(self) -> bool:
         """Every part of this block has a native CPU kernel (Model.host can run it)."""
         a, m = self.attn, self.mlp
-        return (type(self).__call__ is Block.__call__ and type(m) is MLP and a.native_block
+        heads_ok = a.q_norm is None or (a.head_dim % 16 == 0 and a.k_norm is not None)
+        return (type(self).__call__ is Block.__call__ and type(m) is MLP
+                and (a.native_block or a.q_norm is not None) and heads_ok
                 and self.in_norm.shape[0] % 16 == 0 and self._matrices() is not None)
 
     def _matrices(self) -> tuple[cpu_gemm.SlotMatrix, ...] | None:
@@ -148,15 +153,16 @@ class Block:
                        self.mlp.down.kernel)
             mats = [k.descriptor() if k is not None else None for k in kernels]
             self._mats = None if None in mats else tuple(mats)  # type: ignore[arg-type]
-            norms = (self.in_norm, self.post_norm)
-            self._norms = tuple(cpu_gemm.to_host(n.astype(mx.float32))[0] for n in norms)
+            norms = (self.in_norm, self.post_norm, self.attn.q_norm, self.attn.k_norm)
+            self._norms = tuple(None if n is None else cpu_gemm.to_host(n.astype(mx.float32))[0]
+                                for n in norms)
         return self._mats
 
     def host(self, lib: ctypes.CDLL, x: np.ndarray, batch: Batch, layer: int,
              rope: Rope) -> np.ndarray:
         """The block on host rows x (updated in place), in one native call (block.c): the
         residual stream never goes back to MLX."""
-        mats, (n0, n1), a = self._matrices(), self._norms, self.attn
+        mats, (n0, n1, qn, kn), a = self._matrices(), self._norms, self.attn
         pool, rows = batch.pool, batch.native
         assert mats is not None and pool is not None and rows is not None
         assert rows.write_rows is not None
@@ -164,7 +170,8 @@ class Block:
         tables = rope.host_tables()
         rc = lib.slot_llama_block(
             x.ctypes.data, x.shape[0], x.shape[1], n0.ctypes.data, n1.ctypes.data,
-            ctypes.c_float(self.eps), *(ctypes.addressof(m) for m in mats), a.heads,
+            ctypes.c_float(self.eps), None if qn is None else qn.ctypes.data,
+            None if kn is None else kn.ctypes.data, *(ctypes.addressof(m) for m in mats), a.heads,
             a.kv_heads, a.head_dim, tables.cos.ctypes.data, tables.sin.ctypes.data,
             k_host.ctypes.data, v_host.ctypes.data, rows.write_rows.ctypes.data,
             rows.write_rows.shape[0], rows.tables.ctypes.data, rows.tables.shape[1],
