@@ -260,11 +260,18 @@ def test_block_kernel_equals_its_kernels_one_by_one(smol: Any) -> None:
     got = block.host(lib, cpu_gemm.aligned_copy(x), Batch.build([(model.new_kv(), 0, n)]),
                      layer, model.rope)
     batch = Batch.build([(model.new_kv(), 0, n)])
-    a, (n0, n1, _, _), pool = block.attn, block._norms, batch.pool
-    att = cpu_attention.attention_block(
-        lib, a.qkv.kernel, cpu_gemm.rms_norm_host(lib, x, n0, block.eps), a.heads, a.kv_heads,
-        a.head_dim, model.rope.host_tables(), pool.keys[layer], pool.values[layer],
-        batch.native, a.scale)
+    a, (n0, n1, _, _), pool, rows = block.attn, block._norms, batch.pool, batch.native
+    y = a.qkv.kernel.host(cpu_gemm.rms_norm_host(lib, x, n0, block.eps))
+    tables, stride = model.rope.host_tables(), y.shape[1]
+    lib.slot_rope(y.ctypes.data, n, stride, a.heads + a.kv_heads, a.head_dim,
+                  tables.cos.ctypes.data, tables.sin.ctypes.data, rows.row_pos.ctypes.data)
+    keys, values = cpu_attention.pool_host(pool.keys[layer], pool.values[layer])
+    lib.slot_kv_write(keys.ctypes.data, values.ctypes.data, y.ctypes.data, n, stride,
+                      a.heads * a.head_dim, (a.heads + a.kv_heads) * a.head_dim, a.kv_heads,
+                      a.head_dim, rows.write_rows.ctypes.data)
+    q = mx.array(y[:, : a.heads * a.head_dim]).reshape(n, a.heads, a.head_dim)
+    att = cpu_gemm.to_host(cpu_attention.attend(lib, q, pool.keys[layer], pool.values[layer],
+                                                rows, a.scale, None).reshape(n, -1))
     h = a.o.kernel.host(att)
     np.add(h, x, out=h)
     want = cpu_gemm.swiglu_host(lib, block.mlp.gate_up.kernel, block.mlp.down.kernel,

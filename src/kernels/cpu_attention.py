@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels.cpu_gemm import HostMatmul, aligned_empty, to_host
+from slotserve.kernels.cpu_gemm import aligned_empty, to_host
 
 LOG2E = 1.4426950408889634
 
@@ -73,29 +73,6 @@ class RopeTables:
 
     cos: np.ndarray
     sin: np.ndarray
-
-
-def attention_block(lib: ctypes.CDLL, qkv: HostMatmul, xs: np.ndarray, heads: int, kv_heads: int,
-                    head_dim: int, rope: RopeTables, keys: mx.array, values: mx.array,
-                    rows: RowTables, scale: float, window: int | None = None) -> np.ndarray:
-    """QKV projection, RoPE, K/V into the pool and attention, in native memory.
-
-    xs: the block's normalized input rows (aligned host array, cpu_gemm.to_host). Returns
-    the attention output [R, heads * head_dim] (host) for the output projection.
-    """
-    y = qkv.host(xs)  # [R, (heads + 2 kv_heads) * head_dim]: q heads, k heads, v heads
-    r, stride = y.shape
-    assert rows.write_rows is not None
-    # q and k heads are adjacent in the row: one RoPE pass over heads + kv_heads
-    lib.slot_rope(y.ctypes.data, r, stride, heads + kv_heads, head_dim, rope.cos.ctypes.data,
-                  rope.sin.ctypes.data, rows.row_pos.ctypes.data)
-    k_host, v_host = pool_host(keys, values)
-    lib.slot_kv_write(k_host.ctypes.data, v_host.ctypes.data, y.ctypes.data,
-                      rows.write_rows.shape[0], stride, heads * head_dim,
-                      (heads + kv_heads) * head_dim, kv_heads, head_dim,
-                      rows.write_rows.ctypes.data)
-    return _run(lib, y, stride, r, heads, kv_heads, head_dim, k_host, v_host, rows, scale,
-                window)
 
 
 def supported(head_dim: int) -> bool:

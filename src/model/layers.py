@@ -234,8 +234,8 @@ class Linear:
                          and native.library() is not None
                          and all(isinstance(p, QuantizedWeight) and cpu_qgemm.supported(p)
                                  for p in parts))
-        if (keep_quantized or cpu_quantized) and all(isinstance(p, QuantizedWeight)
-                                                     for p in parts):
+        if cpu_quantized or (keep_quantized and all(isinstance(p, QuantizedWeight)
+                                                    for p in parts)):
             qs: list[QuantizedWeight] = parts  # type: ignore[assignment]
             if len({(p.bits, p.group_size) for p in qs}) == 1:
                 return Linear(

@@ -26,10 +26,9 @@ from slotserve.model.weights import Tensor
 
 
 class Attention:
-    # Runs as one native block on the CPU (QKV, RoPE, K/V write, attention) when it can,
-    # and rotates q/k, writes K/V and attends in one or two CUDA kernels on the GPU
+    # On the GPU, rotates q/k, writes K/V and attends in one or two CUDA kernels
     # (cuda.rope_attention); subclasses that change q/k between projection and RoPE (Qwen3's
-    # norms) opt out.
+    # norms) opt out. On the CPU the whole block runs in native/block.c (Block.host).
     native_block = True
     # per-head RMS norms of q and k before RoPE (Qwen3 sets them); block.c applies them
     q_norm: mx.array | None = None
@@ -60,18 +59,6 @@ class Attention:
         """The attention output for norm(x) (x when no norm is given), plus `residual` when
         given (the block's residual stream: the CUDA path normalizes in the QKV projection's
         launch and adds it in the output projection's)."""
-        lib = native.library()
-        if (self.native_block and batch.native is not None and rope is not None
-                and lib is not None and self.qkv.kernel is not None
-                and self.o.kernel is not None):
-            x = normed(x, norm)
-            pool = batch.pool
-            assert pool is not None
-            out = cpu_attention.attention_block(
-                lib, self.qkv.kernel, cpu_gemm.to_host(x), self.heads, self.kv_heads,
-                self.head_dim, rope.host_tables(), pool.keys[layer], pool.values[layer],
-                batch.native, self.scale)
-            return plus(mx.array(self.o.kernel.host(out)), residual)
         if self.native_block and batch.cuda is not None and rope is not None:
             pool = batch.pool
             assert pool is not None and batch.write_rows is not None
