@@ -18,8 +18,8 @@ from typing import Any
 
 import anyio
 
-from slotserve.bench import run_streams
 from slotserve.engine import Engine
+from slotserve.tools.bench import run_streams
 
 
 async def measure(model: str, n: int, new_tokens: int, rounds: int) -> dict[str, Any]:

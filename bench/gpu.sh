@@ -99,7 +99,7 @@ fi
 
 if want synth; then
   stage "synth llama3-8b mlx4"
-  timeout 100 $PY -m slotserve.synth llama3-8b "$LLAMA" --format mlx4
+  timeout 100 $PY -m slotserve.tools.synth llama3-8b "$LLAMA" --format mlx4
   du -sh "$LLAMA"
 fi
 
@@ -197,7 +197,7 @@ fi
 
 if want bf16; then
   stage "synth llama3-8b bf16"
-  timeout 150 $PY -m slotserve.synth llama3-8b "$LLAMA_BF16" --format bf16
+  timeout 150 $PY -m slotserve.tools.synth llama3-8b "$LLAMA_BF16" --format bf16
   du -sh "$LLAMA_BF16"
   stage "gpu_bench llama3-8b bf16"
   timeout 240 $PY bench/gpu_bench.py --model "$LLAMA_BF16" --streams 1,8,32,64,128 \
@@ -209,7 +209,7 @@ fi
 if want peer; then
   stage "peer: transformers generate_batch, llama3-8b shape, bf16"
   [ -f "$LLAMA/config.json" ] || { mkdir -p "$LLAMA" && $PY -c "import json, sys
-from slotserve.synth import preset_config
+from slotserve.tools.synth import preset_config
 json.dump(preset_config('llama3-8b'), open(sys.argv[1], 'w'))" "$LLAMA/config.json"; }
   timeout 240 $PY bench/peer_transformers.py --config "$LLAMA/config.json" --streams 1,64 \
     --prompt-tokens 128 --new-tokens 32 --out "$OUT/peer_llama3-8b.json" 2>&1 \
@@ -218,7 +218,7 @@ fi
 
 if want moe; then
   stage "synth qwen3-30b-a3b mlx4"
-  timeout 200 $PY -m slotserve.synth qwen3-30b-a3b "$MOE" --format mlx4
+  timeout 200 $PY -m slotserve.tools.synth qwen3-30b-a3b "$MOE" --format mlx4
   du -sh "$MOE"
   stage "gpu_bench qwen3-30b-a3b"
   timeout 240 $PY bench/gpu_bench.py --model "$MOE" --streams 1,8,32,64 \

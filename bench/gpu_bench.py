@@ -30,9 +30,9 @@ from typing import Any
 import anyio
 
 import slotserve  # noqa: F401  (OpenBLAS before MLX on Linux; harmless elsewhere)
-from slotserve.bench import prompt_ids, run_streams
 from slotserve.engine import Engine
 from slotserve.kernels import cuda
+from slotserve.tools.bench import prompt_ids, run_streams
 
 GB = 1e9
 
@@ -58,7 +58,7 @@ def memory_bandwidth(nbytes: int = 2**31, reps: int = 10) -> dict[str, float]:
 
 def _weights(model: Any) -> tuple[int, int]:
     """(bytes of every Linear read in a step, bytes of all MoE expert tensors)."""
-    from slotserve.kernels.invariance import linears
+    from slotserve.model.probe import linears
 
     dense = 0
     for lin in linears(model):  # not the embedding: a lookup reads only the step's rows
@@ -95,7 +95,8 @@ def linear_diagnostics(model: Any, max_rows: int = 256) -> dict[str, list[int]]:
     """Per distinct Linear shape: row counts whose rows differ from the max-row result."""
     import mlx.core as mx
 
-    from slotserve.kernels.invariance import _row_counts, linears
+    from slotserve.kernels.invariance import row_counts
+    from slotserve.model.probe import linears
 
     seen: dict[tuple[int, ...], Any] = {}
     for lin in linears(model):
@@ -107,7 +108,7 @@ def linear_diagnostics(model: Any, max_rows: int = 256) -> dict[str, list[int]]:
         x = mx.random.normal((rows, shape[1]), key=mx.random.key(7)).astype(model.dtype)
         ref = lin(x)
         mx.eval(ref)
-        out[str(list(shape))] = [m for m in _row_counts(rows)
+        out[str(list(shape))] = [m for m in row_counts(rows)
                                  if not mx.array_equal(lin(x[:m]), ref[:m]).item()]
     moe = next((layer.mlp for layer in model.layers if hasattr(layer.mlp, "route")), None)
     if moe is not None:
@@ -115,7 +116,7 @@ def linear_diagnostics(model: Any, max_rows: int = 256) -> dict[str, list[int]]:
                              key=mx.random.key(8)).astype(model.dtype)
         ref = moe(x)
         mx.eval(ref)
-        out["moe_experts"] = [m for m in _row_counts(max_rows)
+        out["moe_experts"] = [m for m in row_counts(max_rows)
                               if not mx.array_equal(moe(x[:m]), ref[:m]).item()]
     return out
 
@@ -216,7 +217,7 @@ def matmul_share(model: Any, rows: tuple[int, ...] = (1, 8, 64)) -> list[dict[st
     4-bit kernel and with MLX's; per weight shape too. Compare with runner_timing's step."""
     import mlx.core as mx
 
-    from slotserve.kernels.invariance import linears
+    from slotserve.model.probe import linears
 
     lins = [lin for lin in linears(model) if lin.q4 is not None]
     if not lins:

@@ -3,32 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any
 
-import structlog
-
 import slotserve  # noqa: F401  (loads OpenBLAS before MLX)
-
-
-def configure_logging(fmt: str = "console", level: str = "info") -> None:
-    lvl = getattr(logging, level.upper(), logging.INFO)
-    renderer: Any = (
-        structlog.processors.JSONRenderer() if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info if fmt == "json"
-            else structlog.processors.StackInfoRenderer(),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
+from slotserve.logs import configure_logging
 
 
 def _progress(done: int, total: int) -> None:
@@ -83,19 +62,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from slotserve.bench import main as bench_main
+    from slotserve.tools.bench import main as bench_main
 
     return bench_main(args)
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from slotserve.synth import main as synth_main
+    from slotserve.tools.synth import main as synth_main
 
     return synth_main(args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from slotserve.export import main as export_main
+    from slotserve.tools.export import main as export_main
 
     return export_main(args)
 
@@ -162,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--top-k", type=int, default=None)
     b.set_defaults(fn=cmd_bench)
 
-    # --- synth (random-weight checkpoints of real model shapes; see slotserve.synth) ---
+    # --- synth (random-weight checkpoints of real model shapes; see slotserve.tools.synth) ---
     y = sub.add_parser("synth", help="write a random-weight checkpoint of a named model shape")
     y.add_argument("preset", help="llama3-8b, qwen3-30b-a3b, tiny-llama or tiny-moe")
     y.add_argument("outdir")
@@ -179,18 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     e.set_defaults(fn=cmd_export)
     return p
-
-
-def parse_bytes(text: str | None) -> int | None:
-    """'2GiB' -> 2147483648; plain integers are bytes."""
-    if text is None:
-        return None
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    t = text.strip().lower()
-    for suffix, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(t)
 
 
 def main(argv: list[str] | None = None) -> int:

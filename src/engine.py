@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,17 +23,18 @@ import anyio
 import psutil
 import structlog
 
+from slotserve import settings
 from slotserve.actors.admission import CACHE_SCOPES, Admission, namespace_for
 from slotserve.actors.batcher import Batcher
 from slotserve.actors.messages import Assign, Cancel, Delta, GenerationRequest, TokenLogprob, Usage
 from slotserve.actors.session import Session
 from slotserve.actors.slot import Slot
-from slotserve.kernels.grammar import Grammar, compile_response_format
-from slotserve.kernels.sampling import SamplingParams
 from slotserve.model.chat_template import ChatTemplate
 from slotserve.model.loader import LoadedModel, load
+from slotserve.runtime.grammar import Grammar, compile_response_format
 from slotserve.runtime.mlx_thread import MLXThread
 from slotserve.runtime.runner import ModelRunner
+from slotserve.runtime.sampling import SamplingParams
 
 log = structlog.get_logger("slotserve.engine")
 
@@ -137,7 +137,7 @@ class Engine:
                 " that differ between alone and batched.")
         self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
         speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
-        compiled = (lm.device == "gpu" and os.environ.get("SLOTSERVE_COMPILE", "1") != "0"
+        compiled = (lm.device == "gpu" and settings.current().compile
                     if cfg.compile_decode is None else cfg.compile_decode)
         runner = ModelRunner(lm.model, speculate=speculate, compiled=compiled)
         if runner.compiled is not None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from slotserve.export import export
 from slotserve.model.loader import load
 from slotserve.runtime.plain import greedy_tokens
+from slotserve.tools.export import export
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 STEPS = 16

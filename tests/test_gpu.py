@@ -1,6 +1,6 @@
 """Batch and prefix-reuse invariance on the GPU (skipped where MLX has no GPU, e.g. CI).
 
-Tiny synthetic checkpoints (`slotserve.synth`, MLX 4-bit) of a dense and an MoE
+Tiny synthetic checkpoints (`slotserve.tools.synth`, MLX 4-bit) of a dense and an MoE
 shape, served by the real engine on the GPU: quantized weights stay quantized and
 compute runs in bfloat16, so this is the GPU's own kernels under the standing rules.
 """
@@ -17,7 +17,7 @@ from engine_harness import PROMPTS, EngineHarness
 from engine_harness import alternating_options as options
 
 from slotserve.kernels.attention import BLOCK
-from slotserve.synth import synth
+from slotserve.tools.synth import synth
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from slotserve.kernels.sampling import (
+from slotserve.runtime.sampling import (
     RowState,
     SamplingParams,
     apply_penalties,

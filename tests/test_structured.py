@@ -20,7 +20,7 @@ from engine_harness import EngineHarness
 from slotserve.api.app import create_app
 from slotserve.api.server import BackgroundServer
 from slotserve.engine import Completion, EngineConfig
-from slotserve.kernels.grammar import apply_masks, compile_response_format
+from slotserve.runtime.grammar import apply_masks, compile_response_format
 
 PERSON_Q = [{"role": "user", "content": "Invent a person. Reply in JSON with name and age."}]
 PERSON_SCHEMA = {"type": "object", "required": ["name", "age"],

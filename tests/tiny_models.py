@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slotserve.synth import write_smollm2_tokenizer
+from slotserve.tools.synth import write_smollm2_tokenizer
 
 
 def make_tiny(family: str, path: Path, seed: int = 0) -> Path:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from slotserve.kernels.grammar import Grammar
-from slotserve.kernels.sampling import SamplingParams
+from slotserve.runtime.grammar import Grammar
 from slotserve.runtime.runner import Sampled
+from slotserve.runtime.sampling import SamplingParams
 
 # Who may reuse whose KV: (tenant, cache salt). Requests share prefix KV only when their
 # namespaces are equal; None is a request whose KV no other request may use, nor it theirs.

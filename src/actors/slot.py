@@ -30,10 +30,10 @@ from slotserve.actors.messages import (
     TokenLogprob,
     Usage,
 )
-from slotserve.kernels.grammar import Matcher
-from slotserve.kernels.sampling import RowState
 from slotserve.model.kv import SlotKV
+from slotserve.runtime.grammar import Matcher
 from slotserve.runtime.runner import RowWork
+from slotserve.runtime.sampling import RowState
 
 if TYPE_CHECKING:
     from slotserve.actors.batcher import Batcher

@@ -39,7 +39,7 @@ from slotserve.api.tools import (
     with_system_text,
 )
 from slotserve.engine import Engine, EngineClosedError
-from slotserve.kernels.grammar import Grammar, compile_response_format
+from slotserve.runtime.grammar import Grammar, compile_response_format
 
 _FIELD = re.compile(r"^'?([a-z_]+)")  # engine messages start with the knob they reject
 _KNOBS = frozenset({*FLOAT_KNOBS, "top_k", "seed", "logit_bias", "max_tokens", "stop",

@@ -16,7 +16,7 @@ from typing import Any
 from slotserve.api.errors import APIError, bad_request
 from slotserve.api.limits import check_message_count
 from slotserve.api.tools import ToolChoice
-from slotserve.kernels.sampling import short_repr
+from slotserve.runtime.sampling import short_repr
 
 MAX_STOP = 16
 MAX_CACHE_SALT = 1024  # characters

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -25,32 +24,16 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 from quart import Quart
 
+from slotserve import settings
 from slotserve.api.app import app_state, create_app
 from slotserve.api.keys import ENV, APIKeyError, APIKeys, as_api_keys, load_api_keys
 from slotserve.api.state import AppState, model_id_for
 from slotserve.engine import EngineConfig
+from slotserve.logs import configure_logging
 
 T = TypeVar("T")
 
 log = structlog.get_logger("slotserve.server")
-
-LOG_FORMATS = ("console", "json")
-
-
-def configure_logging(log_format: str = "console", level: int = logging.INFO) -> None:
-    """structlog to stderr, human-readable or one JSON object per line."""
-    if log_format not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {LOG_FORMATS}, not {log_format!r}")
-    renderer: Any = (structlog.processors.JSONRenderer() if log_format == "json"
-                     else structlog.dev.ConsoleRenderer())
-    structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso"),
-                    structlog.processors.format_exc_info, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
-
 
 def hypercorn_config(host: str, port: int, fd: int | None = None,
                      graceful_timeout: float = 10.0) -> Config:
@@ -116,7 +99,7 @@ async def run_server(host: str, port: int, engine_config: EngineConfig,
 
     `app_options`: create_app's keywords (keepalive_interval, max_body_bytes, model_id).
     """
-    configure_logging(log_format, getattr(logging, log_level.upper(), logging.INFO))
+    configure_logging(log_format, log_level)
     app = create_app(engine_config, api_key, **app_options)
     await serve(app, host=host, port=port)
 
@@ -126,8 +109,6 @@ def main(args: argparse.Namespace) -> int:
 
     Returns 2 at once, with a message on stderr, if a key source is given but unusable.
     """
-    from slotserve.cli import parse_bytes
-
     try:
         keys = load_api_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None),
                              os.environ)
@@ -138,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"slotserve serve: warning: {warning}\n")
     cfg = EngineConfig(model=args.model, device=getattr(args, "device", "auto"),
                        max_slots=args.max_slots, max_queue=args.max_queue,
-                       kv_budget_bytes=parse_bytes(getattr(args, "kv_budget", None)),
+                       kv_budget_bytes=settings.parse_bytes(getattr(args, "kv_budget", None)),
                        prefill_budget=getattr(args, "prefill_budget", 256),
                        max_parked=getattr(args, "max_parked", None),
                        allow_batch_variance=getattr(args, "allow_batch_variance", False),

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from slotserve.kernels.cpu_gemm import SlotMatrix, to_host
-from slotserve.model.weights import QuantizedWeight
+from slotserve.kernels.quantized import QuantizedWeight
 
 BLOCK = 32  # activation quantization block, and the weight block inside a group
 PANEL = 16  # weight rows interleaved per panel (one AVX-512 register of int32 lanes)

@@ -29,12 +29,13 @@ GPU (tests/test_cuda_kernels.py, marked gpu).
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+from slotserve import settings
 
 GROUP = 64  # quantization group size the matmul kernel handles
 BLOCK = 128  # KV pool block (slotserve.kernels.attention.BLOCK)
@@ -720,7 +721,7 @@ _SWIGLU_SOURCE = r"""
 
 def enabled() -> bool:
     """Kernels run on a CUDA GPU unless SLOTSERVE_CUDA_KERNELS=0."""
-    return (os.environ.get("SLOTSERVE_CUDA_KERNELS", "1") != "0"
+    return (settings.current().cuda_kernels
             and mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 

@@ -1,4 +1,4 @@
-"""Start-up probe: find the row count from which matmuls stop depending on it.
+"""Batch-invariance checks of single kernels: a matmul's row floor, the attention paths.
 
 Batch invariance (a request's tokens do not depend on who shares its step) rests
 on one property of the BLAS: a row's result must not depend on how many rows the
@@ -12,14 +12,12 @@ pads every row batch to that floor. It takes well under a second on small models
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import structlog
 
-from slotserve.kernels import attention, cpu_attention, cuda, native
+from slotserve.kernels import attention, cpu_attention
 from slotserve.kernels.attention import (
     AttentionPlan,
     decode_attention,
@@ -27,19 +25,10 @@ from slotserve.kernels.attention import (
     segment_attention,
 )
 
-log = structlog.get_logger("slotserve.invariance")
-
 FLOORS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-@dataclass
-class ProbeReport:
-    linear_floor: int
-    invariant: bool
-    failures: list[str] = field(default_factory=list)
-
-
-def _row_counts(limit: int) -> list[int]:
+def row_counts(limit: int) -> list[int]:
     small = list(range(1, min(limit, 20) + 1))
     big = [24, 32, 33, 48, 64, 75, 96, 128, 160, 192, 256]
     return sorted({m for m in small + big if m <= limit})
@@ -50,7 +39,7 @@ def linear_floor(fn: Any, in_dim: int, dtype: mx.Dtype, max_rows: int) -> int | 
     x = mx.random.normal((max_rows, in_dim), key=mx.random.key(7)).astype(dtype)
     ref = fn(x)
     mx.eval(ref)
-    bad = [m for m in _row_counts(max_rows) if not mx.array_equal(fn(x[:m]), ref[:m]).item()]
+    bad = [m for m in row_counts(max_rows) if not mx.array_equal(fn(x[:m]), ref[:m]).item()]
     if not bad:
         return 1
     floor = next((f for f in FLOORS if f > max(bad)), None)
@@ -120,69 +109,3 @@ def row_table_kernel_invariant(run: RowTableAttention, group: int, kv_heads: int
         if not (np.array_equal(one, mixed) and np.array_equal(one, chunk)):
             return False
     return True
-
-
-def probe_model(model: Any, max_rows: int) -> ProbeReport:
-    """Measure floors for every distinct linear shape of `model`; set them globally."""
-    from slotserve.model import layers
-
-    cfg = model.config
-    seen: dict[tuple[int, ...], Any] = {}
-    for lin in linears(model):
-        shape = ((lin.kernel.n, lin.kernel.k) if lin.kernel is not None
-                 else lin.q.shape if lin.q is not None else tuple(lin.w.shape))
-        seen.setdefault(shape, lin)
-    failures: list[str] = []
-    floor = 1
-    for shape, lin in seen.items():
-        rows = max_rows if shape[0] < 32768 else min(max_rows, 64)  # lm_head: logit rows only
-        f = linear_floor(lin, shape[1], model.dtype, rows)
-        if f is None:
-            failures.append(f"linear {shape}: row results vary at every row count up to {rows}")
-        else:
-            floor = max(floor, f)
-    group = cfg.num_heads // cfg.num_kv_heads
-    lib = native.library()
-    if layers.native_attention_for(model.dtype, cfg.head_dim):
-        assert lib is not None
-        attention_ok = cpu_attention.invariant(lib, group, cfg.num_kv_heads, cfg.head_dim)
-    elif cuda.enabled() and cuda.attention_supported(model.dtype, cfg.head_dim):
-        attention_ok = cuda.attention_invariant(group, cfg.num_kv_heads, cfg.head_dim)
-    else:
-        attention_ok = attention_invariant(group, cfg.num_kv_heads, cfg.head_dim, model.dtype)
-    if not attention_ok:
-        failures.append("attention: decode rows differ from the same rows in prefill chunks")
-    layers.LINEAR_ROW_FLOOR = floor
-    report = ProbeReport(floor, not failures, failures)
-    if failures:
-        log.warning("batch invariance NOT guaranteed on this machine", failures=failures)
-    else:
-        log.info("batch invariance probe passed", linear_row_floor=floor, shapes=len(seen))
-    return report
-
-
-def linears(model: Any) -> list[Any]:
-    """The model's matmuls. An embedding table is only gathered from, so it is left out;
-    when it doubles as the lm_head it is reached through `model.lm_head`."""
-    from slotserve.model.layers import Embedding, Linear
-
-    found: list[Any] = []
-    seen_ids: set[int] = set()
-
-    def walk(obj: Any, depth: int) -> None:
-        if id(obj) in seen_ids or depth > 6:
-            return
-        seen_ids.add(id(obj))
-        if isinstance(obj, Embedding):
-            return
-        if isinstance(obj, Linear):
-            found.append(obj)
-        elif isinstance(obj, list | tuple):
-            for o in obj:
-                walk(o, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, mx.array):
-            for v in vars(obj).values():
-                walk(v, depth + 1)
-
-    walk(model, 0)
-    return found

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import structlog
 
+from slotserve import settings
+
 log = structlog.get_logger("slotserve.native")
 
 SOURCES = sorted(Path(__file__).with_name("native").glob("*.[ch]"))
@@ -70,7 +72,7 @@ def _cpu_signature() -> str:
 
 def default_arch() -> str:
     """The instruction set the engine's kernels are built for (SLOTSERVE_CPU_ARCH)."""
-    return os.environ.get("SLOTSERVE_CPU_ARCH", "native")
+    return settings.current().cpu_arch
 
 
 def runnable_archs() -> list[str]:
@@ -131,7 +133,7 @@ def library(arch: str | None = None) -> ctypes.CDLL | None:
 
 
 def _load(arch: str | None) -> ctypes.CDLL | None:
-    if os.environ.get("SLOTSERVE_NATIVE", "1") == "0":
+    if not settings.current().native:
         log.info("native CPU kernels disabled (SLOTSERVE_NATIVE=0); using MLX ops")
         return None
     try:

@@ -75,7 +75,7 @@ class LoadedModel:
     path: Path
     device: str
     load_seconds: float
-    invariance: Any = None  # slotserve.kernels.invariance.ProbeReport
+    invariance: Any = None  # slotserve.model.probe.ProbeReport
 
 
 def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
@@ -158,7 +158,7 @@ def load(path: str | Path | None = None, device: str = "auto", with_tokenizer: b
     mx.clear_cache()
     report = None
     if probe_rows:
-        from slotserve.kernels.invariance import probe_model
+        from slotserve.model.probe import probe_model
 
         report = probe_model(model, probe_rows)
     tok = None

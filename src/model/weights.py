@@ -11,42 +11,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from slotserve.kernels.quantized import QuantizedWeight
 from slotserve.model.errors import ModelLoadError, UnsupportedModelError
 
 GROUP_SIZE_GGUF = 32
-
-
-@dataclass
-class QuantizedWeight:
-    """An affine-quantized [out, in] matrix as MLX stores it."""
-
-    weight: mx.array
-    scales: mx.array
-    biases: mx.array
-    group_size: int
-    bits: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.weight.shape[0], self.scales.shape[-1] * self.group_size)
-
-    def dequantize(self, dtype: mx.Dtype | None) -> mx.array:
-        """Dense weights; dtype None keeps MLX's result type (the scales' dtype)."""
-        w = mx.dequantize(
-            self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
-        )
-        return w if dtype is None else w.astype(dtype)
-
-    def take_rows(self, order: mx.array) -> QuantizedWeight:
-        return QuantizedWeight(
-            self.weight[order], self.scales[order], self.biases[order], self.group_size, self.bits
-        )
 
 
 Tensor = mx.array | QuantizedWeight

@@ -23,11 +23,11 @@ from math import inf
 import mlx.core as mx
 import structlog
 
-from slotserve.kernels.grammar import Matcher, apply_masks
-from slotserve.kernels.sampling import RowState, SamplingParams, draft_rows
 from slotserve.model.kv import SlotKV
 from slotserve.model.layers import Batch
 from slotserve.runtime.compiled import CompiledDecode
+from slotserve.runtime.grammar import Matcher, apply_masks
+from slotserve.runtime.sampling import RowState, SamplingParams, draft_rows
 
 log = structlog.get_logger("slotserve.runner")
 

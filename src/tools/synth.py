@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -30,7 +29,9 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
-log = structlog.get_logger("slotserve.synth")
+from slotserve import settings
+
+log = structlog.get_logger("slotserve.tools.synth")
 
 GROUP_SIZE = 64
 BITS = 4
@@ -168,7 +169,7 @@ def _arrays(name: str, w: mx.array, fmt: str) -> dict[str, mx.array]:
 
 def _copy_tokenizer(outdir: Path, tokenizer_dir: str | Path | None) -> int:
     """Write tokenizer.json + tokenizer_config.json; returns the tokenizer's vocab size."""
-    src = tokenizer_dir or os.environ.get(TOKENIZER_ENV)
+    src = tokenizer_dir or settings.current().tokenizer_dir
     if src:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(Path(src) / f, outdir / f)
@@ -272,6 +273,6 @@ def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m slotserve.synth", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m slotserve.tools.synth", description=__doc__)
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

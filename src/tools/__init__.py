@@ -1,0 +1,1 @@
+"""Command-line tools beside the server: benchmark, synthetic checkpoints, export."""
