@@ -5,7 +5,8 @@
             print(delta.text, end="")
 
 Inside: one Batcher actor, one Slot actor per KV slot, one Session actor per
-request, all in one anyio task group; MLX runs on a single dedicated thread.
+request, all on the event loop and talking only through their mailboxes (actors.base);
+the Batcher's stepping loop is the one task; MLX runs on a single dedicated thread.
 """
 
 from __future__ import annotations
@@ -109,7 +110,6 @@ class Engine:
         self._tg: anyio.abc.TaskGroup | None = None
         self._ids = itertools.count()
         self.started_at = time.time()
-        self.listeners: list[Callable[[str, Any], None]] = []
         self.progress: Callable[[int, int], None] | None = None  # load progress callback
 
     @classmethod
@@ -152,7 +152,6 @@ class Engine:
             slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)
             slot.on_idle = self._slot_idle
             self.slots.append(slot)
-            self.batcher.slots[i] = slot
         bpt = self.slots[0].kv.bytes_per_position
         self.admission = Admission(
             self.slots, max_queue=cfg.max_queue,
@@ -178,8 +177,6 @@ class Engine:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self.batcher.run)
-            for slot in self.slots:
-                tg.start_soon(slot.run)
             started.set()
             await self._stop.wait()
             tg.cancel_scope.cancel()
@@ -271,7 +268,7 @@ class Engine:
             raise EngineClosedError("the engine is shutting down")
         adm = self.admission
         assert adm is not None and self._tg is not None
-        session = Session(request, self.tokenizer)
+        session = Session(request, self.tokenizer, on_closed=self._session_closed)
 
         def place(slot: Slot) -> None:
             epoch = slot.reserve()
@@ -279,21 +276,16 @@ class Engine:
             slot.tell(Assign(request, session))
 
         adm.submit(request, place)  # raises before anything is started for this request
-        self.sessions[request.request_id] = session
-        self._tg.start_soon(self._run_session, session)
+        if not session.finished:
+            self.sessions[request.request_id] = session
         return session
 
-    async def _run_session(self, session: Session) -> None:
-        try:
-            await session.run()
-        finally:
-            self.sessions.pop(session.request.request_id, None)
+    def _session_closed(self, session: Session) -> None:
+        self.sessions.pop(session.request.request_id, None)
 
     def _slot_finished(self, slot: Slot, reason: str) -> None:
         assert self.admission is not None
         self.admission.release(slot)
-        for fn in self.listeners:
-            fn("finished", reason)
 
     def _slot_idle(self, slot: Slot) -> None:
         """A slot freed while its step was in flight is placeable only now: admit queued work."""
@@ -387,7 +379,8 @@ class Engine:
 
     def slot_states(self) -> list[dict[str, Any]]:
         return [
-            {"id": s.id, "busy": s.busy, "parked": s.parked, "resident_tokens": len(s.ledger),
+            {"id": s.id, "busy": s.busy, "waiting_for_client": s.waiting_for_client,
+             "resident_tokens": len(s.ledger),
              "kv_bytes": s.kv.nbytes, "generated": s.generated,
              "idle_seconds": None if s.busy or not s.last_used
              else round(time.monotonic() - s.last_used, 3)}

@@ -210,9 +210,9 @@ def test_slow_client_parks_its_slot_and_keeps_its_tokens(harness: EngineHarness,
                 state["ids"] += d.token_ids
                 if not state["parked"]:  # stop reading until the slot parks (any CPU speed)
                     with anyio.move_on_after(120):
-                        while not any(s.parked for s in engine.slots):
+                        while not any(s.waiting_for_client for s in engine.slots):
                             await anyio.sleep(0.01)
-                    state["parked"] = any(s.parked for s in engine.slots)
+                    state["parked"] = any(s.waiting_for_client for s in engine.slots)
 
         async def peer() -> None:
             msgs = [{"role": "user", "content": QUESTIONS[2]}]
@@ -241,8 +241,8 @@ class _ExplodingStops(frozenset[int]):
 
 def test_slot_crash_on_step_result_fails_only_its_request(harness: EngineHarness,
                                                           solo: list[Completion]) -> None:
-    """A slot that crashes while taking a step result (delivered by a direct call, not its
-    mailbox) fails its own request with an error; its peer is unchanged; the slot is freed."""
+    """A slot that crashes while taking a step result (a StepDone in its mailbox) fails its
+    own request with an error; its peer is unchanged; the slot is freed."""
     engine = harness.engine
 
     async def scenario() -> tuple[Completion, Completion]:

@@ -1,24 +1,49 @@
-"""A small actor base: a bounded mailbox, a run loop, and supervision.
+"""A small actor base: a bounded mailbox, synchronous handlers, and supervision.
 
-Each actor is a task in its owner's task group. Messages are sent to its mailbox
-(an anyio memory object stream, bounded so a fast sender cannot grow memory
-without limit). If handling a message raises, `on_crash` decides what fails (the
-requests the actor serves), the error is logged, and the actor keeps running:
-one bad request never takes the engine down.
+Every actor lives on the engine's one event loop. `tell` appends to the actor's
+bounded mailbox and, if the actor is not already scheduled, puts one drain callback
+on the loop's ready queue (`call_soon`): the drain hands each queued message to
+`handle`, which never awaits. A message therefore costs a deque append, and an actor
+that gets a message every tick costs one loop callback a tick, not a task switch:
+that is what lets the Batcher tell each of dozens of slots its step result, and each
+slot tell its session a token, through the mailboxes and nothing else.
+
+Backpressure is the mailbox bound. A sender reads `room()` before it sends what may
+be followed by more (a slot parks itself when its session's mailbox is nearly full),
+and an actor that cannot take its next message yet (a session whose client is not
+reading) holds its mailbox (`can_take` false) until `wake()` is called. A full
+mailbox on `tell` is a bug in the protocol: it raises.
+
+Supervision: if `handle` raises, the error is logged with its traceback, `on_crash`
+fails whatever the message concerned (the requests the actor serves), and the actor
+keeps serving the next message. One bad request never takes the engine down.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from typing import Any, Generic, TypeVar
+from collections import deque
+from typing import Generic, Protocol, TypeVar
 
-import anyio
 import structlog
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 M = TypeVar("M")
+M_contra = TypeVar("M_contra", contravariant=True)
 
 log = structlog.get_logger("slotserve.actors")
+
+
+class MailboxFullError(RuntimeError):
+    """A sender ignored `room()`: the actors' protocol bounds every mailbox."""
+
+
+class Address(Protocol[M_contra]):
+    """What one actor knows of another: where to send, and how much room is left."""
+
+    def tell(self, msg: M_contra) -> None: ...
+
+    def room(self) -> int: ...
 
 
 class Actor(ABC, Generic[M]):
@@ -26,50 +51,79 @@ class Actor(ABC, Generic[M]):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        send, recv = anyio.create_memory_object_stream[M](self.mailbox_size)
-        self._send: MemoryObjectSendStream[M] = send
-        self._recv: MemoryObjectReceiveStream[M] = recv
+        self._mailbox: deque[M] = deque()
+        self._scheduled = False
+        self._stopped = False
+
+    # ---- the address: what other actors call -----------------------------------------
 
     def tell(self, msg: M) -> None:
-        """Deliver without waiting; a full mailbox is a bug in the protocol, so it raises.
-
-        A message to an actor that has stopped is dropped: nobody is left to act on it.
-        """
-        try:
-            self._send.send_nowait(msg)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        """Deliver without waiting. A message to a stopped actor is dropped: nobody is left
+        to act on it."""
+        if self._stopped:
             log.debug("message to stopped actor dropped", actor=self.name,
                       message=type(msg).__name__)
+            return
+        if len(self._mailbox) >= self.mailbox_size:
+            raise MailboxFullError(f"{self.name}: mailbox full ({self.mailbox_size})")
+        self._mailbox.append(msg)
+        self._schedule()
 
-    async def ask(self, msg: M) -> None:
-        """Deliver, waiting for room in the mailbox (backpressure on the sender)."""
-        await self._send.send(msg)
+    def room(self) -> int:
+        """Messages the mailbox can still take."""
+        return self.mailbox_size - len(self._mailbox)
 
     @property
     def queued(self) -> int:
-        return self._recv.statistics().current_buffer_used
+        return len(self._mailbox)
 
-    async def run(self) -> None:
-        async with self._recv:
-            async for msg in self._recv:
-                try:
-                    await self.handle(msg)
-                except Exception as exc:
-                    self.contain(msg, exc)
+    # ---- the loop side --------------------------------------------------------------
 
-    def contain(self, msg: Any, exc: Exception) -> None:
-        """Supervision, for the mailbox loop and for events handed over by a direct call:
-        report, fail what the message concerned (on_crash), keep serving. Call it from the
-        `except` block, so the log carries the traceback."""
+    def can_take(self) -> bool:
+        """Whether the next message may be handled now; an actor waiting on something
+        outside the actors (a client reading) says no, then calls `wake` when it may."""
+        return True
+
+    def wake(self) -> None:
+        """Drain again: what `can_take` waited for has happened."""
+        if self._mailbox:
+            self._schedule()
+
+    def stop(self) -> None:
+        """Take no more messages; what is queued is dropped."""
+        self._stopped = True
+        self._mailbox.clear()
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        while self._mailbox and not self._stopped and self.can_take():
+            msg = self._mailbox.popleft()
+            try:
+                self.handle(msg)
+            except Exception as exc:
+                self.contain(msg, exc)
+        self.drained()
+
+    def contain(self, msg: M, exc: Exception) -> None:
+        """Report (call from an `except` block, so the log carries the traceback), fail
+        what the message concerned (`on_crash`), keep serving."""
         log.exception("actor crashed on message", actor=self.name, message=type(msg).__name__)
-        self.on_crash(msg, exc)
-
-    def close(self) -> None:
-        self._send.close()
+        try:
+            self.on_crash(msg, exc)
+        except Exception:
+            log.exception("actor crash handler failed", actor=self.name)
 
     @abstractmethod
-    async def handle(self, msg: M) -> None:
-        """Process one message."""
+    def handle(self, msg: M) -> None:
+        """Process one message (never awaits)."""
+
+    def drained(self) -> None:
+        """Called after each drain; subclasses override (e.g. to tell a sender to resume)."""
 
     def on_crash(self, msg: M, exc: Exception) -> None:
         """Fail whatever the message concerned; subclasses override."""

@@ -1,33 +1,37 @@
-"""Batcher actor: the one loop that turns ready slots into fused steps.
+"""Batcher actor: the one loop that turns the slots' offers into fused steps.
 
-Each tick it gathers Ready slots, plans one step (every decoding slot's next
-token plus prefill chunks under a token budget), runs it on the MLX thread, and
-sends each slot its result. It then waits only for the slots it just served to
-answer (Ready again, or Parked), so a slot that became ready during the step
-joins the next tick and a parked slot (slow client) is simply left out.
+Slots offer work by message (Ready, carrying the row they would feed). Each tick the
+Batcher plans one step from the offers (every decoding slot's next token plus prefill
+chunks under a token budget), runs it on the MLX thread, and tells each slot its result
+(StepDone / StepFailed). It then waits only for the slots it just served to answer
+(Ready again, or NoWork), so a slot that became ready during the step joins the next
+tick and a slot waiting for a slow client is simply left out. Messages are handled as
+they arrive (actors.base); the loop in `run` only decides when to step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import anyio
 import structlog
 
-from slotserve.actors.base import Actor
-from slotserve.actors.messages import BatcherMessage, Ready, StepDone, StepFailed
+from slotserve.actors.base import Actor, Address
+from slotserve.actors.messages import (
+    BatcherMessage,
+    Ready,
+    SlotMessage,
+    StepDone,
+    StepFailed,
+    Withdraw,
+    Withdrawn,
+)
 from slotserve.runtime.mlx_thread import MLXThread
-from slotserve.runtime.runner import ModelRunner, RowWork, StepOutput
-
-if TYPE_CHECKING:
-    from slotserve.actors.slot import Slot
+from slotserve.runtime.runner import ModelRunner, RowWork
 
 log = structlog.get_logger("slotserve.batcher")
-
-ACK_TIMEOUT = 5.0
 
 
 @dataclass
@@ -53,49 +57,34 @@ class Batcher(Actor[BatcherMessage]):
         self.runner = runner
         self.mlx = mlx
         self.prefill_budget = prefill_budget
-        self.slots: dict[int, Slot] = {}
-        self.ready: dict[int, int] = {}  # slot id -> epoch
-        self.awaiting: set[int] = set()
+        self.offers: dict[int, Ready] = {}  # slot id -> its standing offer
+        self.awaiting: set[int] = set()  # slots served by the last step, not yet answered
         self.stats = StepStats()
-        self.on_step: Callable[[StepOutput, list[RowWork]], None] | None = None
+        self._arrived = asyncio.Event()
 
-    async def handle(self, msg: BatcherMessage) -> None:
+    def handle(self, msg: BatcherMessage) -> None:
         if isinstance(msg, Ready):
-            self.ready[msg.slot_id] = msg.epoch
+            self.offers[msg.slot_id] = msg
+        elif isinstance(msg, Withdraw):
+            offer = self.offers.get(msg.slot_id)
+            if offer is not None and offer.epoch == msg.epoch:
+                del self.offers[msg.slot_id]
+                offer.slot.tell(Withdrawn(msg.epoch))
+            return  # not an answer to a step: a step that took the offer answers itself
         self.awaiting.discard(msg.slot_id)
+        self._arrived.set()
 
     async def run(self) -> None:
-        async with self._recv:
-            while True:
-                if not self.ready and not self.awaiting:
-                    msg = await self._recv.receive()
-                    await self.handle(msg)
-                await self._gather()
-                work = self._plan()
-                if work:
-                    await self._step(work)
-
-    async def _gather(self) -> None:
-        """Take every message already queued; wait for acks of the last step's slots."""
-        deadline = time.monotonic() + ACK_TIMEOUT
+        """Step whenever there are offers and the last step's slots have all answered."""
         while True:
-            try:
-                msg = self._recv.receive_nowait()
-            except anyio.WouldBlock:
-                if not self.awaiting:
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    log.error("slots did not acknowledge a step", slots=sorted(self.awaiting))
-                    self.awaiting.clear()
-                    return
-                with anyio.move_on_after(remaining):
-                    msg = await self._recv.receive()
-                    await self.handle(msg)
-                continue
-            await self.handle(msg)
+            while self.awaiting or not self.offers:
+                self._arrived.clear()
+                await self._arrived.wait()
+            work = self._plan()
+            if work:
+                await self._step(work)
 
-    def _plan(self) -> list[RowWork]:
+    def _plan(self) -> list[tuple[Address[SlotMessage], RowWork]]:
         """Decode rows first (one token each), then prefill chunks under the token budget.
 
         Prefill: the oldest waiting prompt always gets at least half the budget (nothing
@@ -103,59 +92,48 @@ class Batcher(Actor[BatcherMessage]):
         chat is not held behind a long document. Chunking never changes a request's tokens:
         rows are computed the same way in any batch (the batch-invariance rules).
         """
-        decode: list[Slot] = []
-        prefill: list[Slot] = []
-        for sid, epoch in self.ready.items():
-            slot = self.slots[sid]
-            if slot.epoch != epoch or slot.request is None or not slot.pending:
-                continue
-            (prefill if slot.prefilling else decode).append(slot)
-        self.ready.clear()
-        work = [s.work(1) for s in decode]
-        budget = max(self.prefill_budget - len(work), 1)
-        for slot, take in self._share_prefill(prefill, budget):
+        decode = [o for o in self.offers.values() if not o.prefilling]
+        prefill = [o for o in self.offers.values() if o.prefilling]
+        self.offers = {}
+        planned = [(o.slot, o.work) for o in decode]
+        budget = max(self.prefill_budget - len(planned), 1)
+        for offer, take in self._share_prefill(prefill, budget):
             if take <= 0:
-                self.ready[slot.id] = slot.epoch  # next tick
+                self.offers[offer.slot_id] = offer  # next tick
             else:
-                work.append(slot.work(take))
-        for w in work:
-            slot = self.slots[w.slot_id]
-            slot.in_flight = True
-            w.epoch = slot.epoch
-        return work
+                planned.append((offer.slot, _feed(offer.work, take)))
+        return planned
 
     @staticmethod
-    def _share_prefill(prefill: list[Slot], budget: int) -> list[tuple[Slot, int]]:
-        """(slot, tokens to feed this tick) for every slot waiting to prefill."""
+    def _share_prefill(prefill: list[Ready], budget: int) -> list[tuple[Ready, int]]:
+        """(offer, tokens to feed this tick) for every slot waiting to prefill."""
         if not prefill:
             return []
-        prefill.sort(key=lambda s: s.arrived_at)
+        prefill.sort(key=lambda o: o.arrived_at)
         oldest = prefill[0]
-        floor = min(len(oldest.pending), max(budget // 2, 1))
+        floor = min(len(oldest.work.tokens), max(budget // 2, 1))
         left = budget - floor
         shares: dict[int, int] = {}
-        for slot in sorted(prefill[1:], key=lambda s: (len(s.pending), s.arrived_at)):
-            take = min(len(slot.pending), left)
-            shares[slot.id] = take
+        for o in sorted(prefill[1:], key=lambda o: (len(o.work.tokens), o.arrived_at)):
+            take = min(len(o.work.tokens), left)
+            shares[o.slot_id] = take
             left -= take
-        shares[oldest.id] = min(len(oldest.pending), floor + left)
-        return [(s, shares[s.id]) for s in prefill]
+        shares[oldest.slot_id] = min(len(oldest.work.tokens), floor + left)
+        return [(o, shares[o.slot_id]) for o in prefill]
 
-    async def _step(self, work: list[RowWork]) -> None:
+    async def _step(self, planned: list[tuple[Address[SlotMessage], RowWork]]) -> None:
         t0 = time.perf_counter()
+        work = [w for _, w in planned]
+        self.awaiting.update(w.slot_id for w in work)
         try:
             out = await self.mlx.run(lambda: self.runner.step(work))
         except Exception as exc:  # contain: fail these requests, keep serving
             log.exception("step failed", rows=sum(len(w.tokens) for w in work))
-            for w in work:
-                slot = self.slots[w.slot_id]
-                self.awaiting.add(w.slot_id)
-                slot.step_result(StepFailed(slot.epoch, f"model step failed: {exc}"))
+            for slot, w in planned:
+                slot.tell(StepFailed(w.epoch, f"model step failed: {exc}"))
             return
-        for w in work:
-            self.awaiting.add(w.slot_id)
-            self.slots[w.slot_id].step_result(
-                StepDone(w.epoch, len(w.tokens), out.sampled.get(w.slot_id)))
+        for slot, w in planned:
+            slot.tell(StepDone(w.epoch, len(w.tokens), out.sampled.get(w.slot_id)))
         tick = time.perf_counter() - t0
         st = self.stats
         st.steps += 1
@@ -167,5 +145,10 @@ class Batcher(Actor[BatcherMessage]):
         st.recent.append((out.rows, out.seconds, t0))
         if len(st.recent) > 4096:
             del st.recent[:2048]
-        if self.on_step is not None:
-            self.on_step(out, work)
+
+
+def _feed(work: RowWork, take: int) -> RowWork:
+    """The first `take` of an offer's pending tokens; it samples only if they are all fed."""
+    if take >= len(work.tokens):
+        return work
+    return dataclasses.replace(work, tokens=work.tokens[:take], sample=False)

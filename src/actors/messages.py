@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from slotserve.actors.base import Address
 from slotserve.runtime.grammar import Grammar
-from slotserve.runtime.runner import Sampled
+from slotserve.runtime.runner import RowWork, Sampled
 from slotserve.runtime.sampling import SamplingParams
 
 # Who may reuse whose KV: (tenant, cache salt). Requests share prefix KV only when their
@@ -57,7 +58,6 @@ class Delta:
     usage: Usage | None = None
     error: str | None = None
     ttft: float | None = None
-    seed: int | None = None
 
 
 # ---- Slot mailbox ---------------------------------------------------------------
@@ -66,7 +66,7 @@ class Delta:
 @dataclass
 class Assign:
     request: GenerationRequest
-    session: object  # the Session actor that receives this request's tokens
+    session: Address[SessionMessage]  # the Session that receives this request's tokens
 
 
 @dataclass
@@ -85,6 +85,13 @@ class StepFailed:
 
 
 @dataclass
+class Withdrawn:
+    """The Batcher dropped this slot's offer before any step took it (see Withdraw)."""
+
+    epoch: int
+
+
+@dataclass
 class Cancel:
     epoch: int
     reason: str  # "cancelled" | "stop" | "shutdown"
@@ -92,13 +99,12 @@ class Cancel:
 
 @dataclass
 class Resume:
-    """The session drained its mailbox: the slot may become ready again."""
+    """The session drained its mailbox: the slot may offer work again."""
 
     epoch: int
 
 
-SlotMessage = Assign | Cancel | Resume
-StepResult = StepDone | StepFailed  # handed to Slot.step_result by the Batcher, in one pass
+SlotMessage = Assign | Cancel | Resume | StepDone | StepFailed | Withdrawn
 
 
 # ---- Batcher mailbox ------------------------------------------------------------
@@ -106,21 +112,46 @@ StepResult = StepDone | StepFailed  # handed to Slot.step_result by the Batcher,
 
 @dataclass
 class Ready:
+    """The slot offers work for the next step: `work` holds all its pending tokens (the
+    Batcher feeds a prefix of them); the slot changes nothing in it until the answer
+    (StepDone, StepFailed or Withdrawn) comes back."""
+
+    slot_id: int
+    epoch: int
+    work: RowWork
+    prefilling: bool
+    arrived_at: float
+    slot: Address[SlotMessage]
+
+
+@dataclass
+class NoWork:
+    """The slot handled its step result and offers nothing (finished, or its client is
+    slow: it waits for Resume)."""
+
+    slot_id: int
+
+
+@dataclass
+class Withdraw:
+    """The slot's request ended while its offer was out: drop the offer if no step has
+    taken it yet (answered with Withdrawn; a step that did take it answers StepDone)."""
+
     slot_id: int
     epoch: int
 
 
-@dataclass
-class Parked:
-    """The slot handled its step result but waits (client slow, or finished)."""
-
-    slot_id: int
-
-
-BatcherMessage = Ready | Parked
+BatcherMessage = Ready | NoWork | Withdraw
 
 
 # ---- Session mailbox ------------------------------------------------------------
+
+
+@dataclass
+class Started:
+    """The slot took the request; `reused` prompt tokens came from resident KV."""
+
+    reused: int
 
 
 @dataclass
@@ -136,4 +167,4 @@ class FinishEvent:
     error: str | None = None
 
 
-SessionMessage = TokenEvent | FinishEvent
+SessionMessage = Started | TokenEvent | FinishEvent

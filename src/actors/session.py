@@ -1,20 +1,23 @@
 """Session actor: one per request, between its slot and its client.
 
-It turns token ids into text (UTF-8 safe), applies stop strings, and streams
-Deltas to the client through a small bounded stream. When the client reads
-slowly the Session blocks on that stream, its own mailbox fills, and the slot
-stops asking for steps: backpressure without stalling anyone else's batch.
+It turns token ids into text (UTF-8 safe), applies stop strings, and hands Deltas to
+the client through a small bounded stream (`client`, a DeltaStream). When the client
+reads slowly the stream fills, the Session holds its mailbox (`can_take`), the mailbox
+fills, and the slot stops offering work (it reads `room()` before each offer): backpressure
+without stalling anyone else's batch. Each read from the stream wakes the Session; once
+its mailbox has room again it tells the slot to Resume.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from types import TracebackType
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from slotserve.actors.base import Actor
+from slotserve.actors.base import Actor, Address
 from slotserve.actors.messages import (
     Cancel,
     Delta,
@@ -22,75 +25,104 @@ from slotserve.actors.messages import (
     GenerationRequest,
     Resume,
     SessionMessage,
+    SlotMessage,
+    Started,
     TokenEvent,
     Usage,
 )
 from slotserve.model.detokenizer import IncrementalDetokenizer, StopMatcher
 
-if TYPE_CHECKING:
-    from slotserve.actors.slot import Slot
-
 CLIENT_BUFFER = 8
+
+
+class DeltaStream:
+    """The client's end of a session: `async for delta in stream` (or `async with`). Each
+    delta taken frees room, so the session is woken to go on; closing it early tells the
+    session its client is gone."""
+
+    def __init__(self, recv: MemoryObjectReceiveStream[Delta], session: Session) -> None:
+        self._recv = recv
+        self._session = session
+
+    def __aiter__(self) -> DeltaStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        try:
+            delta = await self._recv.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+        self._session.wake()
+        return delta
+
+    async def aclose(self) -> None:
+        await self._recv.aclose()
+        self._session.wake()  # its next emit finds the stream closed: the client is gone
+
+    async def __aenter__(self) -> DeltaStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
 
 
 class Session(Actor[SessionMessage]):
     mailbox_size = 8
 
-    def __init__(self, request: GenerationRequest, tokenizer: object) -> None:
+    def __init__(self, request: GenerationRequest, tokenizer: object,
+                 on_closed: Callable[[Session], None] | None = None) -> None:
         super().__init__(f"session-{request.request_id}")
         self.request = request
         self.detok = IncrementalDetokenizer(tokenizer, skip_special=True)  # type: ignore[arg-type]
         self.stops = StopMatcher(request.stop) if request.stop else None
         send, recv = anyio.create_memory_object_stream[Delta](CLIENT_BUFFER)
         self.out: MemoryObjectSendStream[Delta] = send
-        self.client: MemoryObjectReceiveStream[Delta] = recv
-        self.slot: Slot | None = None
+        self.client = DeltaStream(recv, self)
+        self.slot: Address[SlotMessage] | None = None
+        self.reused = 0  # prompt tokens the slot reused (set at bind; usage on a stop string)
         self.epoch = 0
         self.finished = False
         self.first_token_at: float | None = None
         self.completion_tokens = 0
+        self.on_closed = on_closed
+        self._sender_waits = False  # the slot found the mailbox nearly full and paused
 
-    def bind(self, slot: Slot, epoch: int) -> None:
+    def bind(self, slot: Address[SlotMessage], epoch: int) -> None:
         self.slot, self.epoch = slot, epoch
-
-    def has_room(self) -> bool:
-        """Room for one token and a finish event: otherwise the slot parks."""
-        return self.queued <= self.mailbox_size - 2
 
     def cancel(self) -> None:
         """Client went away: tell the slot, which frees itself at once."""
         if not self.finished and self.slot is not None:
             self.slot.tell(Cancel(self.epoch, "cancelled"))
 
-    def deliver(self, msg: SessionMessage) -> None:
-        """Hand this session a token or finish event from its slot.
+    def tell(self, msg: SessionMessage) -> None:
+        super().tell(msg)
+        if self.room() < 2:
+            self._sender_waits = True
 
-        Fast path: when nothing is queued ahead of it and the client stream has room for
-        what the event can emit (two deltas at most), the event is handled right here, in the
-        slot's call: no task switch per token, which matters at dozens of streams a step.
-        Otherwise it goes through the mailbox as before, which keeps the order and lets a
-        slow client's backlog park the slot.
-        """
-        if (self.queued or self.finished
-                or self.out.statistics().current_buffer_used > CLIENT_BUFFER - 2):
-            self.tell(msg)
-            return
-        try:
-            for delta in self._deltas(msg):
-                self._emit_now(delta)
-        except Exception as exc:
-            self.contain(msg, exc)
+    def can_take(self) -> bool:
+        """Room in the client stream for what one event can emit (two deltas at most); a
+        finished session takes (and drops) everything."""
+        return self.finished or self.out.statistics().current_buffer_used <= CLIENT_BUFFER - 2
 
-    async def handle(self, msg: SessionMessage) -> None:
+    def handle(self, msg: SessionMessage) -> None:
         if self.finished:
             return
+        if isinstance(msg, Started):
+            self.reused = msg.reused
+            return
         for delta in self._deltas(msg):
-            await self._emit(delta)
-        slot = self.slot
-        if slot is not None and slot.parked and self.has_room() and not self.finished:
-            slot.tell(Resume(self.epoch))
+            self._emit(delta)
 
-    def _deltas(self, msg: SessionMessage) -> list[Delta]:
+    def drained(self) -> None:
+        """Mailbox room again after the slot paused: let it offer work again."""
+        if self._sender_waits and self.room() >= 2 and not self.finished:
+            self._sender_waits = False
+            if self.slot is not None:
+                self.slot.tell(Resume(self.epoch))
+
+    def _deltas(self, msg: TokenEvent | FinishEvent) -> list[Delta]:
         """What the client gets for this event (a final delta finishes the session)."""
         if isinstance(msg, TokenEvent):
             return self._token(msg)
@@ -108,8 +140,7 @@ class Session(Actor[SessionMessage]):
                      logprobs=[ev.logprob] if ev.logprob is not None else [])]
         if stopped and self.slot is not None:
             self.slot.tell(Cancel(self.epoch, "stop"))
-            usage = Usage(len(self.request.prompt_ids), self.completion_tokens,
-                          self.slot.reused)
+            usage = Usage(len(self.request.prompt_ids), self.completion_tokens, self.reused)
             out.append(self._final("stop", usage, None))
         return out
 
@@ -133,16 +164,7 @@ class Session(Actor[SessionMessage]):
         ttft = None if self.first_token_at is None else self.first_token_at - self.request.arrived
         return Delta(finish_reason=reason, usage=usage, error=error, ttft=ttft)
 
-    async def _emit(self, delta: Delta) -> None:
-        try:
-            await self.out.send(delta)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self._client_gone()
-            return
-        self._closed_after(delta)
-
-    def _emit_now(self, delta: Delta) -> None:
-        """_emit for the fast path (deliver checked that the stream has room)."""
+    def _emit(self, delta: Delta) -> None:
         try:
             self.out.send_nowait(delta)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -152,15 +174,21 @@ class Session(Actor[SessionMessage]):
 
     def _closed_after(self, delta: Delta) -> None:
         if delta.finish_reason is not None:
-            self.out.close()
-            self.close()
+            self._close()
+
+    def _close(self) -> None:
+        self.out.close()
+        self.stop()
+        if self.on_closed is not None:
+            on_closed, self.on_closed = self.on_closed, None
+            on_closed(self)
 
     def _client_gone(self) -> None:
         """The client stopped listening: free the slot."""
         self.finished = True
         if self.slot is not None:
             self.slot.tell(Cancel(self.epoch, "cancelled"))
-        self.close()
+        self._close()
 
     def on_crash(self, msg: SessionMessage, exc: Exception) -> None:
         """This request fails with an error; its slot is freed; peers never notice."""
@@ -180,5 +208,4 @@ class Session(Actor[SessionMessage]):
             pass
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
-        self.out.close()
-        self.close()
+        self._close()

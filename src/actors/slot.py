@@ -11,33 +11,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from slotserve.actors.base import Actor
+from slotserve.actors.base import Actor, Address
 from slotserve.actors.messages import (
     Assign,
+    BatcherMessage,
     CacheNamespace,
     Cancel,
     FinishEvent,
     GenerationRequest,
-    Parked,
+    NoWork,
     Ready,
     Resume,
+    SessionMessage,
     SlotMessage,
+    Started,
     StepDone,
-    StepResult,
+    StepFailed,
     TokenEvent,
     TokenLogprob,
     Usage,
+    Withdraw,
+    Withdrawn,
 )
 from slotserve.model.kv import SlotKV
 from slotserve.runtime.grammar import Matcher
 from slotserve.runtime.runner import RowWork
 from slotserve.runtime.sampling import RowState
-
-if TYPE_CHECKING:
-    from slotserve.actors.batcher import Batcher
-    from slotserve.actors.session import Session
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -55,25 +55,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Slot(Actor[SlotMessage]):
     mailbox_size = 16
 
-    def __init__(self, slot_id: int, kv: SlotKV, batcher: Batcher,
+    def __init__(self, slot_id: int, kv: SlotKV, batcher: Address[BatcherMessage],
                  on_finish: Callable[[Slot, str], None]) -> None:
         super().__init__(f"slot-{slot_id}")
         self.id = slot_id
         self.kv = kv
         self.batcher = batcher
         self.on_finish = on_finish
-        # called when a cancelled request's last step returns: only now can the slot be reused
+        # called when a finished request's last outstanding offer is answered: only now can
+        # the slot be reused (a step may have been writing its KV)
         self.on_idle: Callable[[Slot], None] | None = None
         self.ledger: list[int] = []
         # the cache namespace of the request that computed the ledger's KV (None: private)
         self.namespace: CacheNamespace | None = None
         self.epoch = 0
         self.busy = False  # reserved by admission or serving a request
-        self.in_flight = False  # part of the step the Batcher is running now
-        self.parked = False
+        # an offer (Ready) is out: a step may be writing this slot's KV until it is answered
+        self.in_flight = False
+        self.waiting_for_client = False  # backpressure: no offers until the session resumes
         self.last_used = 0.0
         self.request: GenerationRequest | None = None
-        self.session: Session | None = None
+        self.session: Address[SessionMessage] | None = None
         self.pending: list[int] = []
         self.generated = 0
         self.reused = 0
@@ -96,17 +98,19 @@ class Slot(Actor[SlotMessage]):
         self.epoch += 1
         return self.epoch
 
-    def work(self, max_tokens: int) -> RowWork:
-        """This slot's rows for the next step (a prefill chunk or one decode token)."""
+    def _offer(self) -> None:
+        """Offer this slot's pending tokens for the next step (Ready)."""
         assert self.request is not None and self.state is not None
-        n = min(max_tokens, len(self.pending))
         req = self.request
-        return RowWork(
-            slot_id=self.id, kv=self.kv, start=len(self.ledger), tokens=self.pending[:n],
-            sample=n == len(self.pending), params=req.params, state=self.state,
-            draw=self.generated, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
-            grammar=self.matcher,
+        work = RowWork(
+            slot_id=self.id, kv=self.kv, start=len(self.ledger), tokens=self.pending,
+            sample=True, params=req.params, state=self.state, draw=self.generated,
+            logprobs=req.logprobs, top_logprobs=req.top_logprobs, grammar=self.matcher,
+            epoch=self.epoch,
         )
+        self.in_flight = True
+        self.batcher.tell(Ready(self.id, self.epoch, work, self.prefilling, self.arrived_at,
+                                self))
 
     @property
     def prefilling(self) -> bool:
@@ -133,27 +137,19 @@ class Slot(Actor[SlotMessage]):
 
     # ---- messages --------------------------------------------------------------------
 
-    def step_result(self, msg: StepResult) -> None:
-        """The Batcher's result for this slot's rows, delivered by a direct call.
-
-        A step's results reach all its slots in one pass of the Batcher, without a mailbox
-        hop and task switch per slot per token. Safe because every actor runs on the one
-        event loop and this never awaits; a crash is contained as in the mailbox loop.
-        """
-        try:
-            if isinstance(msg, StepDone):
-                self._step_done(msg)
-            else:
-                self.in_flight = False
-                if msg.epoch == self.epoch and self.request is not None:
-                    self._finish("error", msg.error)
-                self.batcher.tell(Parked(self.id))
-                self._idle()
-        except Exception as exc:
-            self.contain(msg, exc)
-
-    async def handle(self, msg: SlotMessage) -> None:
-        if isinstance(msg, Assign):
+    def handle(self, msg: SlotMessage) -> None:
+        if isinstance(msg, StepDone):
+            self._step_done(msg)
+        elif isinstance(msg, StepFailed):
+            self.in_flight = False
+            if msg.epoch == self.epoch and self.request is not None:
+                self._finish("error", msg.error)
+            self.batcher.tell(NoWork(self.id))
+            self._idle()
+        elif isinstance(msg, Withdrawn):
+            self.in_flight = False
+            self._idle()
+        elif isinstance(msg, Assign):
             self._assign(msg)
         elif isinstance(msg, Cancel):
             if msg.epoch == self.epoch and self.request is not None:
@@ -162,9 +158,9 @@ class Slot(Actor[SlotMessage]):
                 else:
                     self._finish(msg.reason)
         elif isinstance(msg, Resume):
-            if msg.epoch == self.epoch and self.parked and self.request is not None:
-                self.parked = False
-                self.batcher.tell(Ready(self.id, self.epoch))
+            if msg.epoch == self.epoch and self.waiting_for_client and self.request is not None:
+                self.waiting_for_client = False
+                self._offer()
 
     def _assign(self, msg: Assign) -> None:
         req = msg.request
@@ -177,16 +173,17 @@ class Slot(Actor[SlotMessage]):
         self.namespace = req.cache_namespace
         self.pending = list(req.prompt_ids[self.reused :])
         self.generated = 0
-        self.parked = False
+        self.waiting_for_client = False
         self.state = RowState(req.params, req.prompt_ids)
         self.matcher = req.grammar.matcher() if req.grammar is not None else None
         self.arrived_at = req.arrived
-        self.batcher.tell(Ready(self.id, self.epoch))
+        msg.session.tell(Started(self.reused))
+        self._offer()
 
     def _step_done(self, msg: StepDone) -> None:
         self.in_flight = False
         if msg.epoch != self.epoch or self.request is None:
-            self.batcher.tell(Parked(self.id))
+            self.batcher.tell(NoWork(self.id))
             self._idle()
             return
         req, session = self.request, self.session
@@ -199,22 +196,22 @@ class Slot(Actor[SlotMessage]):
             self.state.observe(s.token)
             if s.token in req.stop_ids:
                 self._finish("stop")
-                self.batcher.tell(Parked(self.id))
+                self.batcher.tell(NoWork(self.id))
                 return
             lp = None if s.logprob is None else TokenLogprob(s.token, s.logprob, s.top_logprobs)
-            session.deliver(TokenEvent(s.token, lp))
+            session.tell(TokenEvent(s.token, lp))
             if self.matcher is not None and self._grammar_done():
                 return
             if self.generated >= req.max_tokens:
                 self._finish("length")
-                self.batcher.tell(Parked(self.id))
+                self.batcher.tell(NoWork(self.id))
                 return
             self.pending = [s.token]
-        if session.has_room():
-            self.batcher.tell(Ready(self.id, self.epoch))
-        else:  # backpressure: skip ticks until the session drains
-            self.parked = True
-            self.batcher.tell(Parked(self.id))
+        if session.room() >= 2:  # room for a token and a finish event
+            self._offer()
+        else:  # backpressure: skip ticks until the session drains (it sends Resume)
+            self.waiting_for_client = True
+            self.batcher.tell(NoWork(self.id))
 
     def _grammar_done(self) -> bool:
         """Finish when the grammar is complete (only a stop token could follow) or broken."""
@@ -224,7 +221,7 @@ class Slot(Actor[SlotMessage]):
             return False
         self._finish("error" if error else "stop",
                      f"constrained decoding failed: {error}" if error else None)
-        self.batcher.tell(Parked(self.id))
+        self.batcher.tell(NoWork(self.id))
         return True
 
     def _idle(self) -> None:
@@ -234,20 +231,26 @@ class Slot(Actor[SlotMessage]):
     def _finish(self, reason: str, error: str | None = None) -> None:
         assert self.request is not None and self.session is not None
         usage = Usage(len(self.request.prompt_ids), self.generated, self.reused)
-        self.session.deliver(FinishEvent(reason, usage, error))
+        self.session.tell(FinishEvent(reason, usage, error))
+        if self.in_flight:  # an offer is out: drop it, or let the step that took it answer
+            self.batcher.tell(Withdraw(self.id, self.epoch))
         self.request = None
         self.session = None
         self.state = None
         self.matcher = None
         self.pending = []
         self.busy = False
-        self.parked = False
+        self.waiting_for_client = False
         self.epoch += 1
         self.last_used = time.monotonic()
         self.on_finish(self, reason)
 
-    def on_crash(self, msg: SlotMessage | StepResult, exc: Exception) -> None:
-        self.in_flight = False
+    def on_crash(self, msg: SlotMessage, exc: Exception) -> None:
+        was_step = isinstance(msg, StepDone | StepFailed)
+        if was_step:
+            self.in_flight = False
         if self.request is not None and self.session is not None:
             self._finish("error", f"internal error in slot: {exc}")
-        self.batcher.tell(Parked(self.id))
+        if was_step:  # the Batcher waits for every served slot's answer
+            self.batcher.tell(NoWork(self.id))
+            self._idle()
