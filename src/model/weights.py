@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
@@ -157,7 +156,3 @@ def stack_experts(weights: dict[str, Tensor], num_layers: int, num_experts: int)
                 if any(isinstance(p, QuantizedWeight) for p in parts):
                     raise UnsupportedModelError("per-expert quantized tensors are unsupported")
                 weights[stacked] = mx.stack(parts)  # type: ignore[arg-type]
-
-
-def describe(weights: dict[str, Any]) -> str:
-    return ", ".join(sorted(weights)[:5]) + ("..." if len(weights) > 5 else "")
