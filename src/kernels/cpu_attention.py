@@ -78,13 +78,3 @@ class RopeTables:
 def supported(head_dim: int) -> bool:
     """Head sizes the kernel handles (others use the MLX path)."""
     return head_dim % 16 == 0 and head_dim <= 512
-
-
-def invariant(lib: ctypes.CDLL, group: int, kv_heads: int, head_dim: int) -> bool:
-    """Probe: a row's output is the same alone, among other slots' rows, and in a prefill chunk."""
-    from slotserve.kernels.invariance import row_table_kernel_invariant
-
-    def run(q: mx.array, keys: mx.array, values: mx.array, rows: RowTables) -> np.ndarray:
-        return np.asarray(attend(lib, q, keys, values, rows, head_dim**-0.5, None))
-
-    return row_table_kernel_invariant(run, group, kv_heads, head_dim, mx.float32)

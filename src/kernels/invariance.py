@@ -11,6 +11,7 @@ pads every row batch to that floor. It takes well under a second on small models
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -109,3 +110,15 @@ def row_table_kernel_invariant(run: RowTableAttention, group: int, kv_heads: int
         if not (np.array_equal(one, mixed) and np.array_equal(one, chunk)):
             return False
     return True
+
+
+def native_attention_invariant(lib: ctypes.CDLL, group: int, kv_heads: int,
+                               head_dim: int) -> bool:
+    """The native CPU attention kernel: a row's output is the same alone, among other slots'
+    rows, and in a prefill chunk."""
+
+    def run(q: mx.array, keys: mx.array, values: mx.array,
+            rows: cpu_attention.RowTables) -> np.ndarray:
+        return np.asarray(cpu_attention.attend(lib, q, keys, values, rows, head_dim**-0.5, None))
+
+    return row_table_kernel_invariant(run, group, kv_heads, head_dim, mx.float32)

@@ -13,8 +13,12 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
-from slotserve.kernels import cpu_attention, cuda, native
-from slotserve.kernels.invariance import attention_invariant, linear_floor
+from slotserve.kernels import cuda, native
+from slotserve.kernels.invariance import (
+    attention_invariant,
+    linear_floor,
+    native_attention_invariant,
+)
 from slotserve.model import layers
 
 log = structlog.get_logger("slotserve.invariance")
@@ -49,7 +53,7 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
     lib = native.library()
     if layers.native_attention_for(model.dtype, cfg.head_dim):
         assert lib is not None
-        attention_ok = cpu_attention.invariant(lib, group, cfg.num_kv_heads, cfg.head_dim)
+        attention_ok = native_attention_invariant(lib, group, cfg.num_kv_heads, cfg.head_dim)
     elif cuda.enabled() and cuda.attention_supported(model.dtype, cfg.head_dim):
         attention_ok = cuda.attention_invariant(group, cfg.num_kv_heads, cfg.head_dim)
     else:
