@@ -17,7 +17,7 @@
 #   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers)
 #   sass   the 1-row gate+up launch's SASS with per-instruction counts; warp states of it and
 #          of the 1-row attention (ncu)
-#   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention, both methods
+#   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention
 #   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
 #   peer   bench/peer_transformers.py: transformers generate_batch, bf16, same 8B shape
 #   moe    qwen3-30b-a3b, MLX 4-bit: synth + a shorter gpu_bench sweep
@@ -64,7 +64,8 @@ if want env; then
   done
   $PY -c 'import sys, mlx.core as mx; print(sys.version.split()[0], "mlx", mx.__version__,
 mx.default_device(), "gpu:", mx.is_available(mx.gpu))'
-  sha256sum src/kernels/attention.py src/kernels/cuda.py src/model/layers.py src/model/kv.py \
+  sha256sum src/kernels/attention.py src/kernels/cuda/*.py src/kernels/cuda/*.cu* \
+    src/model/layers.py src/model/kv.py \
     src/runtime/runner.py src/model/families/*.py src/synth.py | cut -c1-16,65-
   timeout 60 $PY - <<'EOF'
 import time

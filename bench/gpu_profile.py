@@ -73,9 +73,10 @@ def profile(model_path: str, rows: list[int], ctx: int) -> None:
             mx.eval(tok, _kv_arrays(kvs))
 
 
-# launch shapes swept per row count: (row tiles, column tiles, ring stages). Run I also
-# swept an x prefetch (all row tiles' x loads issued together): slower at every shape
-# (158 registers, one block per SM), so it was removed (docs/benchmarks.md, sixth session).
+# launch shapes swept per row count: (row tiles, column tiles, ring stages); the engine's
+# rule (slotserve.kernels.cuda.launch.Q4_SHAPES) was read off this sweep. An x prefetch (all
+# row tiles' x loads issued together) was swept too: slower at every shape (158 registers,
+# one block per SM), so it was removed.
 LAUNCH_SWEEP: dict[int, list[tuple[int, int, int]]] = {
     1: [(1, 1, 8), (1, 2, 4), (1, 2, 8), (1, 2, 16), (1, 4, 2), (1, 4, 4), (1, 4, 8), (1, 8, 2),
         (1, 8, 3)],
@@ -88,11 +89,14 @@ LAUNCH_SWEEP: dict[int, list[tuple[int, int, int]]] = {
 def launches(shapes: list[tuple[int, int]], rows: list[int], *, rule_only: bool = False) -> None:
     """Each launch shape of slotserve's 4-bit kernels once per (weight shape, row count),
     behind a marker naming it: ncu's log then holds every variant's GPU time, caches
-    flushed before each as in a step (cuda._launch is chosen from these).
+    flushed before each as in a step (launch.Q4_SHAPES is chosen from these). Each variant
+    is one launch through q4.run, the kernel with a given shape (not the product API).
     rule_only: just the launch the engine makes (for ncu's detailed sections)."""
     import mlx.core as mx
 
     from slotserve.kernels import cuda
+    from slotserve.kernels.cuda import q4
+    from slotserve.kernels.cuda.launch import Q4Shape
 
     cases = []
     for n, k in shapes:
@@ -105,9 +109,9 @@ def launches(shapes: list[tuple[int, int]], rows: list[int], *, rule_only: bool 
                 continue
             for mt, nt, stages in LAUNCH_SWEEP.get(m, []):
                 if n % (8 * nt) == 0:
+                    shape = Q4Shape(mt, nt, stages)
                     cases.append((f"{m}_n{n}k{k}_mt{mt}_nt{nt}_s{stages}",
-                                  lambda x=x, p=packed, a=(mt, nt, stages):
-                                  cuda.q4_matmul(x, *p, mt=a[0], nt=a[1], stages=a[2])))
+                                  lambda x=x, p=packed, a=shape: q4.run(x, *p, a)))
     for _, run in cases:  # compile and warm, outside the profiled range
         mx.eval(run())
     with _profiled():

@@ -3,12 +3,16 @@ their batch invariance, on the GPU (skipped where MLX has no CUDA GPU, e.g. CI).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from slotserve.kernels import cuda
 from slotserve.kernels.attention import BLOCK, paged_blocks, reference_attention
+from slotserve.kernels.cuda import launch, q4
+from slotserve.kernels.cuda.launch import Q4Shape
 from slotserve.model.layers import Rope
 
 pytestmark = [
@@ -40,13 +44,15 @@ def test_q4_matmul_rows_do_not_depend_on_row_count() -> None:
         packed, _ = _q4(n_out, 2048, 2)
         x = mx.random.normal((200, 2048), key=mx.random.key(3)).astype(mx.bfloat16)
         full = cuda.q4_matmul(x, *packed)
+        # launch shapes other than the rule's (as bench/gpu_profile.py sweeps them)
+        rule = launch.q4_shape(200, n_out)
         for nt in (1, 2, 4):
-            same = cuda.q4_matmul(x, *packed, nt=nt)
+            same = q4.run(x, *packed, replace(rule, nt=nt))
             assert mx.array_equal(same, full).item(), nt
         for m, mt, nt, stages in ((1, 1, 8, 2), (1, 1, 4, 4), (1, 1, 2, 8), (33, 2, 8, 2),
                                   (20, 2, 4, 4), (64, 1, 8, 2), (64, 4, 2, 4), (100, 2, 4, 2),
                                   (130, 8, 2, 2)):
-            same = cuda.q4_matmul(x[:m], *packed, mt=mt, nt=nt, stages=stages)  # launch only
+            same = q4.run(x[:m], *packed, Q4Shape(mt, nt, stages))  # launch only
             assert mx.array_equal(same, full[:m]).item(), (m, mt, nt, stages)
         for m in (1, 2, 7, 8, 9, 15, 16, 31, 33, 64, 65, 128, 129):
             assert mx.array_equal(cuda.q4_matmul(x[:m], *packed), full[:m]).item(), m
@@ -179,7 +185,7 @@ def test_q4_matmul_norm_gives_rms_rows_bits(n_out: int, k: int) -> None:
     res = mx.random.normal((70, n_out), key=mx.random.key(25)).astype(mx.bfloat16)
     nw = (1 + 0.1 * mx.random.normal((k,), key=mx.random.key(26))).astype(mx.bfloat16)
     norm = (nw, 1e-5)
-    for m in (1, 2, 3, 4, 5, 17, 70):  # in the launch up to NORM_ROWS rows, then rms_rows
+    for m in (1, 2, 3, 4, 5, 17, 70):  # in the launch up to launch.NORM_ROWS, then rms_rows
         xn = cuda.rms_rows(x[:m], *norm)
         cases = [(cuda.q4_matmul(x[:m], *packed, norm=norm), cuda.q4_matmul(xn, *packed)),
                  (cuda.q4_matmul(x[:m], *packed, residual=res[:m], norm=norm),
@@ -192,25 +198,32 @@ def test_q4_matmul_norm_gives_rms_rows_bits(n_out: int, k: int) -> None:
 
 @pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 128, None), (3, 64, 100)])
 def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
-                                                    window: int | None,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    window: int | None) -> None:
     hkv, cap, d = 2, 3 * BLOCK, head_dim
     _, _, kpool, vpool, tables = _paged_kv(2, hkv, cap, d, 30, 40)
     q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(50)).astype(mx.bfloat16)
     positions = [0, 1, 127, 128, 200, 255, 256, cap - 1]
-    rows = mx.array(positions, dtype=mx.int32)
-    slots = mx.array([0, 1, 0, 1, -1, 0, 1, 1], dtype=mx.int32)  # -1: a padding row
+    slots = [0, 1, 0, 1, -1, 0, 1, 1]  # -1: a padding row
+    # the same rows in a launch below the staging rule (staged) and, repeated, in one above
+    # it (read in place)
+    copies = launch.STAGED_BLOCKS // (len(positions) * hkv) + 1
+    assert launch.attention_staged(len(positions), hkv)
+    assert not launch.attention_staged(copies * len(positions), hkv)
     outs = []
-    for blocks in (0, 1 << 20):  # never staged, always staged
-        monkeypatch.setattr(cuda, "STAGED_BLOCKS", blocks)
-        outs.append(cuda.paged_attention(q[rows], kpool, vpool, tables, slots, rows, d**-0.5,
+    for n in (1, copies):
+        rows = mx.array(positions * n, dtype=mx.int32)
+        outs.append(cuda.paged_attention(q[rows], kpool, vpool, tables,
+                                         mx.array(slots * n, dtype=mx.int32), rows, d**-0.5,
                                          window))
-    assert mx.array_equal(outs[0], outs[1]).item()
+    staged, in_place = outs
+    for i in range(copies):
+        part = in_place[i * len(positions) : (i + 1) * len(positions)]
+        assert mx.array_equal(staged, part).item(), i
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 128), (9, 3, 64)])
-def test_rope_attention_gives_rope_write_and_attentions_bits(
-        heads: int, kv_heads: int, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rope_attention_gives_rope_write_and_attentions_bits(heads: int, kv_heads: int,
+                                                             d: int) -> None:
     cap = 3 * BLOCK
     _, _, kflat, vflat, tables = _paged_kv(3, kv_heads, cap, d, 60, 70)
     rope = Rope(d, 10000.0, None, mx.bfloat16)
@@ -224,15 +237,18 @@ def test_rope_attention_gives_rope_write_and_attentions_bits(
                        for s, p in zip(slots[:3], positions[:3], strict=True)], dtype=np.int32)
     qkv = mx.random.normal((4, (heads + 2 * kv_heads) * d), key=mx.random.key(80))
     qkv = qkv.astype(mx.bfloat16)
+    # the same rows as prefill rows (rope_write + paged_attention, two launches) and as the
+    # decode step they are (one launch)
+    assert not launch.rope_in_attention(4, kv_heads, False)
+    assert launch.rope_in_attention(4, kv_heads, True)
     outs, pools = [], []
-    for fused in (False, True):
-        monkeypatch.setattr(cuda, "ROPE_IN_ATTENTION", fused)
+    for one_row_per_slot in (False, True):
         kpool, vpool = mx.array(kflat), mx.array(vflat)
         mx.eval(kpool, vpool)  # own copies: the kernels write them in place
         out = cuda.rope_attention(qkv, rope.cos, rope.sin, mx.array(writes), kpool, vpool,
                                   tables, mx.array(slots, dtype=mx.int32),
                                   mx.array(positions, dtype=mx.int32), d**-0.5, heads,
-                                  kv_heads, d, one_row_per_slot=True)
+                                  kv_heads, d, one_row_per_slot=one_row_per_slot)
         mx.eval(out)
         outs.append(out)
         pools.append((kpool, vpool))

@@ -1,6 +1,8 @@
-"""The 4-bit kernel's weight layout (slotserve.kernels.cuda.q4_pack), checked on any machine:
-a NumPy model of which codes and scales each kernel thread reads must give back MLX's own
-quantized matrix. The kernel itself runs only on a GPU (tests/test_cuda_kernels.py)."""
+"""What of slotserve's CUDA kernels can be checked on any machine: the 4-bit kernel's weight
+layout (slotserve.kernels.cuda.q4_pack: a NumPy model of which codes and scales each kernel
+thread reads must give back MLX's own quantized matrix), the kernel sources as MLX gets
+them, and the launch-shape rules. The kernels themselves run only on a GPU
+(tests/test_cuda_kernels.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from slotserve.kernels import cuda
+from slotserve.kernels.cuda import launch, sources
 
 
 def _codes(q: np.ndarray, k: int) -> np.ndarray:
@@ -60,3 +63,40 @@ def test_q4_pack_puts_every_code_and_scale_where_the_kernel_reads_it(n: int, k: 
     np.testing.assert_array_equal(codes, _codes(np.array(q), k))
     np.testing.assert_array_equal(scales, np.array(s.astype(mx.float32)))
     np.testing.assert_array_equal(biases, np.array(b.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("name", sorted(sources.KERNELS))
+def test_kernel_sources_are_read_and_compacted_once(name: str) -> None:
+    body, header = sources.source(name)
+    assert sources.source(name)[0] is body  # cached: MLX hashes this text at every launch
+    for text in (body, header):
+        assert text.strip(), name
+        assert "//" not in text and "@" not in text, name  # no comments, no placeholders
+        assert all(line == line.strip() and line for line in text.splitlines()), name
+    assert "#include <cuda_bf16.h>" in header
+
+
+def test_the_attention_kernels_differ_only_in_their_query_and_patch() -> None:
+    plain, _ = sources.source("paged_attention")
+    rope, _ = sources.source("rope_attention")
+    assert "qs[i / D][i % D] = static_cast<float>(q[base + i]);" in plain
+    assert "rope_rotate(" in rope and "rope_rotate(" not in plain
+    assert "newk" in rope and "newk" not in plain
+
+
+@pytest.mark.parametrize("n", [48, 256, 1024, 4096, 6144, 14336, 16384, 28672, 65536, 128256])
+def test_q4_launch_shapes_cover_every_row_count(n: int) -> None:
+    for m in range(1, 300):
+        for norm in (False, True):
+            for gate_up in (False, True):
+                shape = launch.q4_shape(m, n, norm=norm, gate_up=gate_up)
+                assert n % (8 * shape.nt) == 0 and shape.nt >= 2, (m, n, shape)
+                assert shape.mt in (1, 2) and shape.stages >= 2, (m, n, shape)
+                assert shape.norm == (norm and shape.mt == 1 and m <= launch.NORM_ROWS)
+                assert shape.swiglu == (gate_up and shape.mt == 1)
+
+
+def test_k_split_depends_on_k_alone() -> None:
+    assert [launch.k_split(k // 128) for k in (128, 256, 384, 512, 640, 1024, 4096, 14336)] == [
+        1, 2, 1, 4, 1, 8, 8, 8]
+    assert launch.rms_threads(4096) == 32 * launch.k_split(32)

@@ -1,0 +1,99 @@
+"""Paged attention (paged_attention.cu) over the KV pool, and its decode-step form that
+rotates q and k and writes the new K/V in the same launch (rope_attention).
+
+MLX's attention for a paged pool is ~15 small kernels per layer. Here one thread block
+per (row, kv head) attends its GQA group of query heads over the row's own slot, reading
+K/V blocks through the slot's block table (the pool layout of slotserve.model.kv), with an
+online softmax in key blocks of 128 at fixed absolute positions. Decode rows and prefill
+rows are the same work, so a position's output never depends on how it was batched.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from slotserve.kernels.cuda import launch
+from slotserve.kernels.cuda.glue import rope_write
+from slotserve.kernels.cuda.launch import ATTENTION_THREADS
+from slotserve.kernels.cuda.sources import kernel
+
+
+def attention_supported(dtype: mx.Dtype, head_dim: int) -> bool:
+    return dtype == mx.bfloat16 and head_dim % 8 == 0 and head_dim <= 128
+
+
+@cache
+def _attention_params(scale: float) -> mx.array:
+    """The kernel's params input (scale in log2 units), made once per scale."""
+    return mx.array([scale * 1.4426950408889634], dtype=mx.float32)
+
+
+def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.array,
+                    row_table: mx.array, row_pos: mx.array, scale: float,
+                    window: int | None = None) -> mx.array:
+    """q [R, Hq, D] or [R, Hq * D]; pools [blocks * 128, D]; tables [S, nb, Hkv] -> bf16
+    output in q's shape (the 2-D form, as rope_write gives q, adds no reshape to the graph)."""
+    r, d = q.shape[0], kpool.shape[-1]
+    hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
+    hkv = tables.shape[2]
+    staged = launch.attention_staged(r, hkv)
+    (out,) = kernel("paged_attention", launch.attention_shared_bytes(d) if staged else 0)(
+        inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
+                _attention_params(scale)],
+        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
+                  ("STAGED", staged)],
+        grid=(r * hkv * ATTENTION_THREADS, 1, 1),
+        threadgroup=(ATTENTION_THREADS, 1, 1),
+        output_shapes=[(r, hq * d)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return out.reshape(q.shape)
+
+
+def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.array,
+                   kpool: mx.array, vpool: mx.array, tables: mx.array, row_table: mx.array,
+                   row_pos: mx.array, scale: float, heads: int, kv_heads: int, head_dim: int,
+                   one_row_per_slot: bool, window: int | None = None) -> mx.array:
+    """paged_attention(rope_write(qkv, ...), ...): attention [R, heads * D] of fused QKV rows,
+    their K/V written into the pool in place (see rope_write; row_pos are the rows'
+    positions).
+
+    One launch where each slot has one row (a decode step) and the attention launch is
+    staged (launch.rope_in_attention): each block then owns its kv head's new K/V, so it
+    rotates q and k itself, writes K/V and patches its staged copy of them; no block reads
+    another's new keys. Otherwise rope_write and paged_attention, two launches. The same
+    bits either way (the same rotation, rounded to bf16 as rope_write stores it).
+    """
+    r = qkv.shape[0]
+    if not launch.rope_in_attention(r, kv_heads, one_row_per_slot):
+        q = rope_write(qkv, cos, sin, row_pos, write_rows, kpool, vpool, heads, kv_heads,
+                       head_dim)
+        return paged_attention(q, kpool, vpool, tables, row_table, row_pos, scale, window)
+    assert write_rows.shape[0] <= r and write_rows.shape[1] == kv_heads, "pool rows per row"
+    (out,) = kernel("rope_attention", launch.attention_shared_bytes(head_dim))(
+        inputs=[qkv, kpool, vpool, tables, row_table, row_pos, _attention_params(scale), cos,
+                sin, write_rows],
+        template=[("T", kpool.dtype), ("G", heads // kv_heads), ("D", head_dim),
+                  ("WINDOW", window or 0), ("STAGED", True)],
+        grid=(r * kv_heads * ATTENTION_THREADS, 1, 1),
+        threadgroup=(ATTENTION_THREADS, 1, 1),
+        output_shapes=[(r, heads * head_dim)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return out
+
+
+def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
+    """Start-up probe for paged_attention (see invariance.row_table_kernel_invariant)."""
+    from slotserve.kernels.invariance import row_table_kernel_invariant
+
+    def run(q: mx.array, keys: mx.array, values: mx.array, rows: Any) -> np.ndarray:
+        out = paged_attention(q, keys, values, mx.array(rows.tables), mx.array(rows.row_table),
+                              mx.array(rows.row_pos), head_dim**-0.5)
+        return np.asarray(out.astype(mx.float32))
+
+    return row_table_kernel_invariant(run, group, kv_heads, head_dim, mx.bfloat16)

@@ -1,0 +1,121 @@
+"""Launch shapes of slotserve's CUDA kernels: every choice of how a launch is cut, in one place.
+
+A launch shape only decides which block computes what. Every output element is computed
+the same way, in the same order, whatever the shape, so no choice here changes a bit (the
+GPU tests compare launches on each side of every rule). The one exception is the 4-bit
+matmul's K split, which sets the summation order: it is a function of K alone, so a row is
+summed the same way in every launch.
+
+The rules, and what decided them (measured on the H200; "under Nsight Compute" means GPU
+time per kernel with the caches flushed before each, as a step reads its weights from HBM):
+
+* q4_matmul, K split (`k_split`): 8 warps where K allows. 4 looked faster timing one weight
+  matrix that stayed in the 50 MB L2; through the model (every weight read from HBM once a
+  step) 8 gave 187 decode tok/s at one stream against 127.
+* q4_matmul, row tiles x column tiles x ring stages (`Q4_SHAPES`): each shape's time under
+  Nsight Compute on the Llama-3-8B weight shapes (bench/gpu_profile.py --launches sweeps
+  them); the numbers are beside each row of the table.
+* q4_matmul, the RMS norm in the launch's prologue for launches of one row tile and up to
+  `NORM_ROWS` rows, else the `rms_rows` kernel first. Every block of the launch normalizes
+  all its rows (12.0 -> 13.6 µs for the QKV launch at one row), but a launch per norm goes:
+  a 1-row decode step 3,529 -> 3,333 µs under Nsight Compute, 235 -> 170 kernels.
+* q4_matmul, SwiGLU in the epilogue for launches of one row tile, else the `swiglu` kernel
+  after it: the epilogue costs a block of two row tiles 130 registers instead of 128 (nvcc
+  13, sm_90a), half its occupancy.
+* q4_matmul, the residual add in the epilogue of every launch: no register cost (128), one
+  launch and graph op fewer per projection (64 a step); engine sweeps with and without it
+  were within noise of each other.
+* paged_attention, K/V staged in shared memory for launches of up to `STAGED_BLOCKS` blocks
+  (one per row and kv head), else read in place: staged, a key block is one memory round
+  trip instead of ~6 dependent ones, which a 1-row launch (one warp per scheduler) cannot
+  hide: 22 -> 13 µs a layer at one row. A staged block takes ~66 kB at head dim 128 (two
+  an SM): 256 is one wave on the 132 SMs, and larger launches keep more blocks resident.
+* rope_attention, RoPE and the K/V write inside the attention launch where each slot has one
+  row and the launch is staged (each block then owns its kv head's new K/V), else
+  `rope_write` + `paged_attention`: 267 -> 235 kernels in a 1-row step, the one launch
+  14.8 µs against 13.3 + 9.2 for the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NORM_ROWS = 4  # q4_matmul normalizes x in its prologue for launches of up to this many rows
+STAGED_BLOCKS = 256  # paged_attention stages K/V in launches of up to this many blocks
+GLUE_THREADS = 256  # threads a block of the elementwise kernels (rope_write, swiglu)
+ATTENTION_THREADS = 128  # threads a block of the attention kernels (one per key of a block)
+
+
+@dataclass(frozen=True)
+class Q4Shape:
+    """One q4_matmul launch: mt row tiles of 16 and nt column tiles of 8 a block, a ring
+    of `stages` chunks per warp; norm and swiglu: that work is in this launch."""
+
+    mt: int
+    nt: int
+    stages: int
+    norm: bool = False
+    swiglu: bool = False
+
+
+# (rows up to, columns from, columns below, shape): the first row that matches wins. The
+# numbers: µs per launch under Nsight Compute, this shape against the best other one tried.
+Q4_SHAPES: tuple[tuple[int | None, int, int | None, Q4Shape], ...] = (
+    (16, 65536, None, Q4Shape(1, 8, 2)),  # the lm_head at one row: 148 vs 157
+    (16, 16384, None, Q4Shape(1, 4, 2)),  # gate+up at one row: 39.7 vs 47.6
+    (16, 0, None, Q4Shape(1, 2, 4)),  # QKV 11.5, O 9.0 at one row: best of 9 shapes
+    (32, 0, 16384, Q4Shape(1, 4, 4)),  # narrow, up to 32 rows: down at 32 rows 41.5 vs 51.1
+    # wide up to 32 rows, and every matrix above 32 rows: gate+up at 64 rows 124 vs 153
+    # (4 x 2 tiles before), down 60 vs 86
+    (None, 0, None, Q4Shape(2, 4, 2)),
+)
+
+
+def k_split(chunks: int) -> int:
+    """Warps splitting K (chunks = K / 128): a function of K only, so every row count sums
+    the same way (see the table above)."""
+    return next(s for s in (8, 4, 2, 1) if chunks % s == 0)
+
+
+def q4_shape(m: int, n: int, *, norm: bool = False, gate_up: bool = False) -> Q4Shape:
+    """The launch of a q4_matmul with m rows and n columns (n % 16 == 0, q4_supported);
+    norm / gate_up: whether the call asks for the RMS norm / SwiGLU, which the launch then
+    does itself where the table above says."""
+    shape = next(s for rows, lo, hi, s in Q4_SHAPES
+                 if (rows is None or m <= rows) and n >= lo and (hi is None or n < hi))
+    nt = shape.nt
+    while n % (8 * nt):  # n is a multiple of 16: nt ends at 2 or more
+        nt //= 2
+    one_tile = shape.mt == 1
+    return Q4Shape(shape.mt, nt, shape.stages, norm=norm and one_tile and m <= NORM_ROWS,
+                   swiglu=gate_up and one_tile)
+
+
+def q4_shared_bytes(shape: Q4Shape, ksplit: int, m: int, k: int) -> int:
+    """Dynamic shared memory of a q4_matmul launch: the rings or the K-split reduction
+    (they share it), then with the norm in the launch the m normalized rows of x."""
+    ring = ksplit * shape.stages * shape.nt * 36 * 16  # 32 weight + 4 scale uint4 a tile
+    reduction = ksplit * shape.nt * 4 * 32 * 4
+    return max(ring, reduction) + (m * k * 2 if shape.norm else 0)
+
+
+def rms_threads(k: int) -> int:
+    """Threads of an rms_rows block: as q4_matmul's over K, so the two norms agree bit for
+    bit (norm_row.cuh)."""
+    return 32 * k_split(k // 128)
+
+
+def attention_staged(rows: int, kv_heads: int) -> bool:
+    """Whether a paged_attention launch (one block per row and kv head) stages K/V."""
+    return rows * kv_heads <= STAGED_BLOCKS
+
+
+def attention_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a staged attention launch: padded K rows, then V rows."""
+    return 128 * (2 * head_dim // 8 + 1) * 16
+
+
+def rope_in_attention(rows: int, kv_heads: int, one_row_per_slot: bool) -> bool:
+    """Whether rope_attention is one launch: each block then owns its kv head's new K/V,
+    which needs one row a slot (a decode step) and a staged launch (the patch)."""
+    return one_row_per_slot and attention_staged(rows, kv_heads)

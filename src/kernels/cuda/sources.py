@@ -1,0 +1,98 @@
+"""The CUDA kernels' sources: the .cu/.cuh files beside this module, read and compacted once.
+
+Each kernel is the body of an `mx.fast.cuda_kernel` (MLX writes its signature from the
+input and output names and the template arguments) after a header of device helpers.
+MLX copies a custom kernel's whole source into every op and hashes it at every launch:
+~0.2-0.6 µs a kB on the H200's hosts (measured with bench/gpu_bench.py's eval_us_per_op,
+a one-line kernel with and without 10 kB more of source), at ~200 launches a step. So the
+text handed to MLX is compacted (no comments, indentation or blank lines) once, when a
+kernel's source is first asked for, and each kernel object is made once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """Where one kernel's text comes from: a body file, its headers after common.cuh, and
+    for the attention kernels the fragments put at the body's `@Q@` and `@PATCH@` lines."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    body: str
+    headers: tuple[str, ...] = ()
+    query: str | None = None
+    patch: str | None = None
+
+
+_ATTENTION_INPUTS = ("kpool", "vpool", "tables", "row_table", "row_pos", "params")
+
+KERNELS: dict[str, KernelSource] = {
+    "q4_matmul": KernelSource(("x", "wp", "sp", "res", "nw"), ("y",), "q4_matmul.cu",
+                              ("cp_async.cuh", "norm_row.cuh", "q4_matmul.cuh")),
+    "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
+    "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out",), "paged_attention.cu",
+                                    ("cp_async.cuh",), query="paged_attention_query.cu"),
+    "rope_attention": KernelSource(("qkv", *_ATTENTION_INPUTS, "cos_t", "sin_t", "write_rows"),
+                                   ("out",), "paged_attention.cu", ("cp_async.cuh",),
+                                   query="rope_attention_query.cu",
+                                   patch="rope_attention_patch.cu"),
+    "rope_write": KernelSource(("qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool",
+                                "vpool"), ("q",), "rope_write.cu"),
+    "swiglu": KernelSource(("gate_up",), ("out",), "swiglu.cu"),
+}
+
+
+@cache
+def _read(filename: str) -> str:
+    """One source file's text (package data: found in a wheel and in the source tree)."""
+    return resources.files(__package__).joinpath(filename).read_text(encoding="utf-8")
+
+
+def _substitute(body: str, marker: str, fragment: str) -> str:
+    """body with its one line reading exactly `marker` replaced by the fragment's lines."""
+    lines = body.split("\n")
+    assert lines.count(marker) == 1, f"{marker} must be one line of the body"
+    at = lines.index(marker)
+    inserted = fragment.strip("\n").split("\n") if fragment.strip() else []
+    return "\n".join([*lines[:at], *inserted, *lines[at + 1 :]])
+
+
+def compact(source: str) -> str:
+    """CUDA source without comments, indentation or blank lines (what MLX hashes)."""
+    out = []
+    for line in source.splitlines():
+        code = line.split("//", 1)[0].strip()
+        if code:
+            out.append(code)
+    return "\n".join(out) + "\n"
+
+
+@cache
+def source(name: str) -> tuple[str, str]:
+    """(body, header) of a kernel as MLX gets them: assembled and compacted once."""
+    spec = KERNELS[name]
+    body = _read(spec.body)
+    if spec.query is not None:
+        body = _substitute(body, "@Q@", _read(spec.query))
+        body = _substitute(body, "@PATCH@", _read(spec.patch) if spec.patch else "")
+    header = _read("common.cuh") + "".join(_read(h) for h in spec.headers)
+    return compact(body), compact(header)
+
+
+@cache
+def kernel(name: str, shared_memory: int = 0) -> Any:
+    """The kernel object; one per dynamic shared-memory size (MLX fixes it per object, and
+    every template instantiation of a kernel always asks for the same size)."""
+    spec = KERNELS[name]
+    body, header = source(name)
+    return mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=list(spec.inputs),
+                               output_names=list(spec.outputs), source=body, header=header,
+                               shared_memory=shared_memory)
