@@ -89,10 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
-    g.add_argument("--chat", action="store_true", default=True,
-                   help="apply the model's chat template (the default)")
-    g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
-    g.add_argument("--system", default=None, help="system prompt for --chat")
+    g.add_argument("--raw", action="store_true",
+                   help="plain completion of the prompt; by default the model's chat template "
+                        "wraps it as a user turn")
+    g.add_argument("--system", default=None,
+                   help="system prompt for the chat turn (ignored with --raw)")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
