@@ -406,13 +406,6 @@ def _matmul_case(n_out: int, n_in: int, rows: tuple[int, ...]) -> list[dict[str,
         if next_k is not None:  # slotserve's own 4-bit kernel on the same weights
             tk = _timed(lambda x=x: cuda.q4_matmul(x, *next_k()))
             r.update(kernel_us=round(tk * 1e6, 1), kernel_gbps=round(qbytes / tk / GB, 1))
-            if m in (1, 64):  # launch shapes: (column tiles, K-split warps)
-                r["kernel_variants_us"] = {
-                    f"nt{nt}-k{ks}": round(1e6 * _timed(
-                        lambda x=x, nt=nt, ks=ks: cuda.q4_matmul(
-                            x, *next_k(), nt=nt, ksplit=ks)), 1)
-                    for nt, ks in ((1, 8), (2, 8), (4, 8), (2, 4))
-                    if n_out % (8 * nt) == 0 and n_in % (128 * ks) == 0}
         out.append(r)
         emit({"micro_matmul": r})
     return out
@@ -439,13 +432,8 @@ def _attention_case(n: int, span: int, kv_heads: int, head_dim: int,
     bias = mx.concatenate([causal_bias(span - 1 - i % 7, 1, span) for i in range(n)])
     mx.eval(keys, values, blocks, q, bias)
     r: dict[str, Any] = {"slots": n, "span": span}
-    for method in ("take", "gather_mm"):
-        try:
-            t = _timed(lambda m=method: decode_attention(q, keys, values, blocks, bias,
-                                                         head_dim**-0.5, m))
-            r[f"{method}_us"] = round(t * 1e6)
-        except Exception as exc:  # report a method MLX cannot run here, measure the other
-            r[f"{method}_error"] = str(exc)[:200]
+    t = _timed(lambda: decode_attention(q, keys, values, blocks, bias, head_dim**-0.5))
+    r["gather_mm_us"] = round(t * 1e6)
     if cuda.enabled():  # slotserve's paged-attention kernel: the same rows and blocks
         pos = mx.array([span - 1 - i % 7 for i in range(n)], dtype=mx.int32)
         row_table = mx.arange(n, dtype=mx.int32)
@@ -459,8 +447,8 @@ def _attention_case(n: int, span: int, kv_heads: int, head_dim: int,
 
 def micro_attention(slots: tuple[int, ...] = (8, 64, 128), span: int = 256, kv_heads: int = 8,
                     head_dim: int = 128, group: int = 4) -> list[dict[str, Any]]:
-    """One layer's decode attention over the paged pool (Llama-3-8B heads), both ways
-    `block_matmul` can run it: gather the blocks then batched matmul, or gather_mm."""
+    """One layer's decode attention over the paged pool (Llama-3-8B heads): MLX's path
+    (`block_matmul`, gather_mm straight out of the pool) and, on CUDA, slotserve's kernel."""
     return [_attention_case(n, span, kv_heads, head_dim, group) for n in slots]
 
 
@@ -594,20 +582,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        "sweep_not_compiled")
             runner_obj.compiled = compiled
             report["compiled_traces"] = compiled.traced
-        # a kernel switch (--ab-switch, a cuda module flag: the same bits either way) off and on,
-        # in the order off, on, on, off: late sweeps of a process run slower (runs Z, AE),
-        # and this order cancels a steady drift; compiled traces hold the launches they
-        # were traced with, so they are dropped at each switch
-        if args.ab_streams:
-            name = args.ab_switch
-            for i, on in enumerate((False, True, True, False)):
-                setattr(cuda, name, on)
-                if runner_obj.compiled is not None:
-                    engine.mlx.call(runner_obj.compiled.clear)
-                label = f"sweep_{name.lower()}_{on}_{i}"
-                report[label] = await sweep(
-                    engine, model, [int(x) for x in args.ab_streams.split(",")], args, label)
-            setattr(cuda, name, True)
         report["ttft"] = await ttft(engine, args.ttft_tokens)
         emit({"ttft": report["ttft"]})
         runner = []
@@ -635,11 +609,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
-    p.add_argument("--ab-switch", default="RESIDUAL_EPILOGUE",
-                   choices=["RESIDUAL_EPILOGUE", "ROPE_IN_ATTENTION", "NORM_IN_MATMUL"],
-                   help="the slotserve.kernels.cuda switch to sweep off/on/on/off")
-    p.add_argument("--ab-streams", default="1,8,64",
-                   help="stream counts of that side-by-side ('' skips it)")
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")

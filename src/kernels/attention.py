@@ -92,26 +92,19 @@ def paged_blocks(caches: list[mx.array]) -> tuple[mx.array, mx.array]:
 
 
 def block_matmul(a: mx.array, pool: mx.array, blocks: mx.array, a_index: mx.array | None = None,
-                 transpose: bool = False, method: str | None = None) -> mx.array:
+                 transpose: bool = False) -> mx.array:
     """a (or a[a_index]) times pool[blocks] (or its transpose), per (slot, key block, kv head).
 
-    method "gather_mm" (the default) multiplies straight out of the pool, nothing
-    copied; "take" gathers the blocks first and runs one batched matmul. Measured on
-    the H200 (Llama-3-8B heads, span 256, one layer): gather_mm 361 / 443 / 462 us at
-    8 / 64 / 128 slots, take 629 / 964 / 1368 us; on the CPU gather_mm is faster too.
+    `mx.gather_mm` multiplies straight out of the pool, nothing copied. Gathering the
+    blocks first and running one batched matmul was slower: measured on the H200
+    (Llama-3-8B heads, span 256, one layer) gather_mm took 361 / 443 / 462 us at 8 / 64 /
+    128 slots against 629 / 964 / 1368 us; on the CPU gather_mm is faster too.
     """
-    method = method or "gather_mm"
-    if method == "gather_mm":
-        return mx.gather_mm(a, pool.swapaxes(-1, -2) if transpose else pool, a_index, blocks)
-    if method != "take":
-        raise ValueError(f"unknown block matmul method {method!r}")
-    picked = pool[blocks]  # gather from the contiguous pool, then view it transposed
-    return (a if a_index is None else a[a_index]) @ (picked.swapaxes(-1, -2) if transpose
-                                                    else picked)
+    return mx.gather_mm(a, pool.swapaxes(-1, -2) if transpose else pool, a_index, blocks)
 
 
 def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
-                      bias: mx.array, scale: float, method: str | None = None) -> mx.array:
+                      bias: mx.array, scale: float) -> mx.array:
     """Attention for M query rows per (slot, kv head), reading K/V in place from the pool.
 
     qh: [S, Hkv, M, D]; keys/values: [B, BLOCK, D] pool blocks; blocks: [S, nb, Hkv]
@@ -130,7 +123,7 @@ def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx
         blocks.shape,
     )
     # one GEMM per (slot, key block, kv head): [M, D] x [D, BLOCK]
-    scores = block_matmul(qh.reshape(s_ * hkv, mp, d), keys, blocks, q_index, True, method)
+    scores = block_matmul(qh.reshape(s_ * hkv, mp, d), keys, blocks, q_index, True)
     scores = scores[:, :, :, :m].transpose(0, 2, 3, 1, 4).reshape(s_, hkv, m, nb * BLOCK)
     scores = scores.astype(mx.float32) + bias[:, None]
     # weights under 2^-64 of the largest become exact zeros: far below float32 resolution
@@ -140,18 +133,18 @@ def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx
     denom = probs.sum(axis=-1)  # [S, hkv, m]
     pb = probs.astype(values.dtype).reshape(s_, hkv, m, nb, BLOCK).transpose(0, 3, 1, 2, 4)
     # P.V per key block (fixed reduction length BLOCK), blocks summed in order
-    out = block_matmul(pb, values, blocks, method=method).sum(axis=1)  # [S, hkv, m, d]
+    out = block_matmul(pb, values, blocks).sum(axis=1)  # [S, hkv, m, d]
     return out / denom[..., None].astype(out.dtype)
 
 
 def decode_attention(q: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
-                     bias: mx.array, scale: float, method: str | None = None) -> mx.array:
+                     bias: mx.array, scale: float) -> mx.array:
     """One decode token per slot. q: [S, Hq, D]; blocks [S, nb, Hkv]; bias [S, nb * BLOCK]."""
     s_, hq, d = q.shape
     hkv = blocks.shape[2]
     group = hq // hkv
     qh = q.reshape(s_, hkv, group, d)
-    out = grouped_attention(qh, keys, values, blocks, bias[:, None, :], scale, method)
+    out = grouped_attention(qh, keys, values, blocks, bias[:, None, :], scale)
     return out.reshape(s_, hq, d)
 
 

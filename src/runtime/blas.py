@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from functools import cache
 
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -19,39 +20,19 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
 )
 
-_state: dict[str, str | None] = {"loaded": None, "reason": None}
 
-
+@cache
 def load_openblas() -> str | None:
-    """Load OpenBLAS globally once; return its path, or None when it is unavailable.
-
-    Set SLOTSERVE_BLAS=reference to keep MLX's bundled BLAS (for comparisons).
-    """
-    if _state["loaded"] is not None or _state["reason"] is not None:
-        return _state["loaded"]
-    if sys.platform != "linux":
-        _state["reason"] = "not linux: MLX uses Accelerate/Metal"
-        return None
-    if os.environ.get("SLOTSERVE_BLAS", "").lower() == "reference":
-        _state["reason"] = "SLOTSERVE_BLAS=reference"
-        return None
-    if "mlx.core" in sys.modules:
-        _state["reason"] = "mlx.core was imported before slotserve; OpenBLAS not preloaded"
+    """Load OpenBLAS globally once; return its path, or None when it cannot be: not Linux
+    (MLX uses Accelerate/Metal there), mlx.core imported before slotserve (too late to
+    preload), or no OpenBLAS installed (apt-get install libopenblas0-pthread)."""
+    if sys.platform != "linux" or "mlx.core" in sys.modules:
         return None
     for path in OPENBLAS_CANDIDATES:
         if os.path.exists(path):
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError as exc:  # a broken install: keep looking, then fall back
-                _state["reason"] = f"{path}: {exc}"
+            except OSError:  # a broken install: keep looking, then fall back
                 continue
-            _state["loaded"] = path
-            _state["reason"] = None
             return path
-    _state["reason"] = "OpenBLAS not found (apt-get install libopenblas0-pthread)"
     return None
-
-
-def blas_status() -> tuple[str | None, str | None]:
-    """(loaded path, reason it is not loaded) for start-up logs."""
-    return _state["loaded"], _state["reason"]
