@@ -563,8 +563,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             emit({"linear_rows_that_differ": report["linear_rows_that_differ"]})
             report["engine_invariance"] = await engine_invariance(engine)
             emit({"engine_invariance": report["engine_invariance"]})
-        # warm-up as long as a sweep point: run J's N = 1, first after a 4-token warm-up,
-        # stepped slower (6.4 ms) than its N = 8 (5.6 ms)
+        # warm-up as long as a sweep point: after a 4-token warm-up the first sweep point
+        # (N = 1) once stepped slower (6.4 ms) than the next (N = 8, 5.6 ms)
         await run_streams(engine, 8, args.prompt_tokens, args.new_tokens)
         report["sweep"] = await sweep(engine, model, streams, args, "sweep")
         assert engine.batcher is not None
