@@ -19,10 +19,16 @@ from typing import Any
 from quart import Response
 
 from slotserve.actors.messages import Delta
-from slotserve.api.errors import APIError, bad_request, dumps
+from slotserve.api.errors import APIError, dumps
 from slotserve.api.generation import ChatRun, engine_failure, start_chat, stream_response
-from slotserve.api.limits import check_message_count
-from slotserve.api.schemas import MAX_STOP, TINY_TEMPERATURE, cache_salt, finite
+from slotserve.api.schemas import (
+    AnthropicMessage,
+    MessagesBody,
+    TextBlock,
+    ToolResultBlock,
+    joined,
+    validated,
+)
 from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tools import CLOSE, OPEN, ToolCall, ToolChoice
@@ -66,7 +72,7 @@ def sse(kind: str, payload: dict[str, Any]) -> bytes:
 
 @dataclass
 class MessagesRequest:
-    messages: list[dict[str, Any]]  # Anthropic-shaped, checked; converted once the engine is up
+    messages: list[AnthropicMessage]  # validated; converted once the engine is up
     max_tokens: int
     model: str | None = None
     system: str | None = None
@@ -76,177 +82,14 @@ class MessagesRequest:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(
-                type(value), type(value).__name__)
-
-
-def _number(body: dict[str, Any], key: str) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"{key}: must be a number, got {_kind(value)}", key)
-    return finite(value, key, key)
-
-
-def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise bad_request(f"{key}: must be an integer >= {lo}, got {value!r}", key)
-    return value
-
-
-def _text_blocks(value: Any, where: str) -> str:
-    """A string, or a list of text blocks joined by newlines."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(f"{where}: must be a string or an array of text blocks", where)
-    parts = []
-    for j, block in enumerate(value):
-        if not isinstance(block, dict) or block.get("type") != "text" \
-                or not isinstance(block.get("text"), str):
-            raise bad_request(f"{where}.{j}: must be {{'type': 'text', 'text': <string>}}", where)
-        parts.append(block["text"])
-    return "\n".join(parts)
-
-
 def parse_messages(body: dict[str, Any]) -> MessagesRequest:
-    max_tokens = _int(body, "max_tokens", 1)
-    if max_tokens is None:
-        raise bad_request("max_tokens: field required", "max_tokens")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request(f"model: must be a string, got {_kind(model)}", "model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages: must be a non-empty array of messages", "messages")
-    check_message_count(len(messages))
-    checked = [_message(m, i) for i, m in enumerate(messages)]
-    system = body.get("system")
-    system_text = None if system is None else _text_blocks(system, "system")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("stream: must be a boolean", "stream")
-    tools = _tools(body.get("tools"))
-    return MessagesRequest(messages=checked, max_tokens=max_tokens, model=model,
-                           system=system_text, stream=stream, tools=tools,
-                           tool_choice=_tool_choice(body.get("tool_choice"), tools),
-                           options=_options(body, max_tokens))
-
-
-def _options(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    opts: dict[str, Any] = {"max_tokens": max_tokens}
-    for key in ("temperature", "top_p"):
-        value = _number(body, key)
-        if value is not None:
-            opts[key] = value
-    if 0.0 < opts.get("temperature", 1.0) < TINY_TEMPERATURE:
-        opts["temperature"] = 0.0
-    top_k = _int(body, "top_k", 0)
-    if top_k is not None:
-        opts["top_k"] = top_k
-    stop = body.get("stop_sequences")
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad_request("stop_sequences: must be an array of strings", "stop_sequences")
-        if len(stop) > MAX_STOP:
-            raise bad_request(f"stop_sequences: at most {MAX_STOP} allowed", "stop_sequences")
-        if stop:
-            opts["stop"] = stop
-    opts.update(cache_salt(body))
-    return opts
-
-
-def _message(m: Any, i: int) -> dict[str, Any]:
-    where = f"messages.{i}"
-    if not isinstance(m, dict):
-        raise bad_request(f"{where}: must be an object", where)
-    role = m.get("role")
-    if role not in ("user", "assistant"):
-        raise bad_request(f"{where}.role: must be 'user' or 'assistant', got {role!r}", where)
-    content = m.get("content")
-    if isinstance(content, str):
-        return {"role": role, "content": [{"type": "text", "text": content}]}
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content: must be a string or an array of content blocks",
-                          where)
-    allowed = ("text", "tool_result") if role == "user" else ("text", "tool_use")
-    blocks = []
-    for j, block in enumerate(content):
-        at = f"{where}.content.{j}"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind not in allowed:
-            raise bad_request(f"{at}: content blocks of type {kind!r} are not supported in "
-                              f"{role} messages (supported: {', '.join(allowed)})", where)
-        if kind == "text" and not isinstance(block.get("text"), str):
-            raise bad_request(f"{at}.text: must be a string", where)
-        if kind == "tool_use":
-            if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
-                raise bad_request(f"{at}: tool_use needs a string 'id' and 'name'", where)
-            if not isinstance(block.get("input", {}), dict):
-                raise bad_request(f"{at}.input: must be an object", where)
-        if kind == "tool_result":
-            if not isinstance(block.get("tool_use_id"), str):
-                raise bad_request(f"{at}.tool_use_id: must be a string", where)
-            block = {**block, "content": _text_blocks(block.get("content", ""),
-                                                      f"{at}.content")}
-        blocks.append(block)
-    return {"role": role, "content": blocks}
-
-
-def _tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise bad_request(f"tools: must be an array, got {_kind(value)}", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        where = f"tools.{i}"
-        if not isinstance(tool, dict):
-            raise bad_request(f"{where}: must be an object", where)
-        if tool.get("type", "custom") != "custom":
-            raise bad_request(f"{where}: tools of type {tool.get('type')!r} are not supported "
-                              f"(only client tools with an input_schema)", where)
-        name, schema = tool.get("name"), tool.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"{where}.name: must be a non-empty string", where)
-        if not isinstance(schema, dict):
-            raise bad_request(f"{where}.input_schema: must be a JSON Schema object", where)
-        fn: dict[str, Any] = {"name": name, "parameters": schema}
-        if tool.get("description") is not None:
-            if not isinstance(tool["description"], str):
-                raise bad_request(f"{where}.description: must be a string", where)
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-    return out or None
-
-
-def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
-    if value is None:
-        return ToolChoice("auto" if tools else "none")
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "none" or (kind == "auto" and not tools):
-        return ToolChoice("none")
-    if kind == "auto":
-        return ToolChoice("auto")
-    if kind in ("any", "tool") and not tools:
-        raise bad_request(f"tool_choice: {kind!r} needs 'tools'", "tool_choice")
-    if kind == "any":
-        return ToolChoice("required")
-    if kind == "tool":
-        name = value.get("name")
-        if not any(t["function"]["name"] == name for t in tools or []):
-            raise bad_request(f"tool_choice: the tool {name!r} is not in 'tools'", "tool_choice")
-        return ToolChoice("function", name)
-    raise bad_request("tool_choice: must be {'type': 'auto' | 'any' | 'none'} or "
-                      "{'type': 'tool', 'name': ...}", "tool_choice")
+    """A request body (see `schemas.MessagesBody`) -> the request; a mistake is a 400."""
+    b = validated(MessagesBody, body)
+    tools = [t.openai() for t in b.tools or []] or None
+    return MessagesRequest(messages=b.messages, max_tokens=b.max_tokens, model=b.model,
+                           system=None if b.system is None else joined(b.system),
+                           stream=b.stream, tools=tools, tool_choice=b.tool_choice_for(tools),
+                           options=b.options())
 
 
 def chat_messages(req: MessagesRequest, inline_calls: bool) -> tuple[list[dict[str, Any]], str]:
@@ -264,19 +107,19 @@ def chat_messages(req: MessagesRequest, inline_calls: bool) -> tuple[list[dict[s
     for i, m in enumerate(req.messages):
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
-        for block in m["content"]:
-            if block["type"] == "text":
-                texts.append(block["text"])
-            elif block["type"] == "tool_result":
-                text = block["content"]
-                out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                            "content": f"Error: {text}" if block.get("is_error") else text})
+        for block in m.content:
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolResultBlock):
+                text = joined(block.content)
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": f"Error: {text}" if block.is_error else text})
             else:  # tool_use
-                calls.append({"id": block["id"], "type": "function", "function": {
-                    "name": block["name"],
-                    "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
-        text = "".join(texts) if m["role"] == "assistant" else "\n".join(texts)
-        if m["role"] == "assistant" and i == last and not calls:
+                calls.append({"id": block.id, "type": "function", "function": {
+                    "name": block.name,
+                    "arguments": json.dumps(block.input, ensure_ascii=False)}})
+        text = "".join(texts) if m.role == "assistant" else "\n".join(texts)
+        if m.role == "assistant" and i == last and not calls:
             prefill = text
             continue
         if calls and inline_calls:
@@ -284,8 +127,8 @@ def chat_messages(req: MessagesRequest, inline_calls: bool) -> tuple[list[dict[s
                 f'{OPEN}{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
                 f'{c["function"]["arguments"]}}}{CLOSE}' for c in calls)
             calls = []
-        if texts or calls or m["role"] == "assistant":
-            msg: dict[str, Any] = {"role": m["role"], "content": text}
+        if texts or calls or m.role == "assistant":
+            msg: dict[str, Any] = {"role": m.role, "content": text}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -440,11 +283,11 @@ def _apply(events: list[tuple[str, dict[str, Any]]], content: list[dict[str, Any
             delta = ev["delta"]
             text_of[ev["index"]].append(delta.get("text", delta.get("partial_json", "")))
         elif kind == "content_block_stop":
-            block, joined = content[ev["index"]], "".join(text_of[ev["index"]])
+            block, text = content[ev["index"]], "".join(text_of[ev["index"]])
             if block["type"] == "text":
-                block["text"] = joined
+                block["text"] = text
             else:
-                block["input"] = json.loads(joined) if joined else {}
+                block["input"] = json.loads(text) if text else {}
 
 
 async def _events(state: AppState, run: ChatRun, msg_id: str,

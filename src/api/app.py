@@ -22,7 +22,7 @@ from werkzeug.exceptions import HTTPException
 from slotserve.api import anthropic, generation
 from slotserve.api.errors import HTTP_ERRORS, APIError, error_body, json_response
 from slotserve.api.keys import APIKeys, as_api_keys
-from slotserve.api.schemas import parse_body, parse_chat, parse_completion
+from slotserve.api.schemas import openapi_document, parse_body, parse_chat, parse_completion
 from slotserve.api.state import AppState, Settings
 from slotserve.engine import EngineConfig
 
@@ -160,6 +160,11 @@ def create_app(engine_config: EngineConfig | None = None,
         req = anthropic.parse_messages(await body())
         check_model(req.model)
         return await anthropic.messages(state, req)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        """The request bodies of the generation routes, from the models that validate them."""
+        return json_response(openapi_document())
 
     @app.get("/v1/models")
     async def models() -> Response:

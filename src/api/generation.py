@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -28,7 +27,12 @@ from slotserve.actors.session import Session
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
 from slotserve.api.limits import chat_texts, refuse_unfit
 from slotserve.api.responses import LogprobFormatter, ResponseIds
-from slotserve.api.schemas import FLOAT_KNOBS, ChatRequest, CompletionRequest
+from slotserve.api.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    check_vocabulary,
+    out_of_vocabulary,
+)
 from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tools import (
@@ -40,11 +44,6 @@ from slotserve.api.tools import (
 )
 from slotserve.engine import Engine, EngineClosedError
 from slotserve.runtime.grammar import Grammar, compile_response_format
-
-_FIELD = re.compile(r"^'?([a-z_]+)")  # engine messages start with the knob they reject
-_KNOBS = frozenset({*FLOAT_KNOBS, "top_k", "seed", "logit_bias", "max_tokens", "stop",
-                    "top_logprobs"})
-
 
 # ---- admission -----------------------------------------------------------------------------
 
@@ -69,11 +68,11 @@ def submit(state: AppState, engine: Engine, prompt_ids: list[int],
         state.metrics.reject("context_length_exceeded")
         raise APIError(400, f"the prompt is {len(prompt_ids)} tokens, but the model's context "
                        f"length is {ctx} tokens", param=param, code="context_length_exceeded")
+    check_vocabulary(options, engine.tokenizer.vocab_size)
     try:
         request = engine.make_request(prompt_ids, **options)
-    except ValueError as exc:
-        m = _FIELD.match(str(exc))
-        raise bad_request(str(exc), m.group(1) if m and m.group(1) in _KNOBS else None) from None
+    except ValueError as exc:  # the request models checked the options: a prompt of no tokens
+        raise bad_request(str(exc)) from None
     try:
         return engine.submit(request)
     except OverloadedError as exc:
@@ -315,8 +314,7 @@ async def completion(state: AppState, req: CompletionRequest) -> Response:
     else:
         bad = next((t for t in req.prompt if not 0 <= t < tok.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"prompt token id {bad} is out of range [0, {tok.vocab_size})",
-                              "prompt")
+            raise out_of_vocabulary("prompt", bad, tok.vocab_size)
         ids = list(req.prompt)
     options = await compile_grammar(engine, req.options)
     session = submit(state, engine, ids, options, "prompt")

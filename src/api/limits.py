@@ -47,20 +47,13 @@ from slotserve.api.errors import APIError
 
 log = structlog.get_logger("slotserve.api")
 
-MAX_MESSAGES = 2048  # as OpenAI's chat completions
+MAX_MESSAGES = 2048  # as OpenAI's chat completions; the request models' cap, checked first
 MIN_LONGEST = 4  # bytes of the longest UTF-8 character: what an unknown-token may cover
 NFC_SHRINK = 3  # NFC maps at most 3 bytes of UTF-8 to 1 (U+212A -> "K", jamo -> syllable)
 _SPACE_MARK = "▁".encode()  # SentencePiece's space: token "▁a" covers the text " a"
 _KEEPING_NORMALIZERS = {"Prepend", "NFC", "Sequence"}
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation",
                            "UnicodeScripts", "Sequence"}
-
-
-def check_message_count(n: int, param: str = "messages") -> None:
-    """Refuse more than MAX_MESSAGES messages before any of them is looked at."""
-    if n > MAX_MESSAGES:
-        raise APIError(400, f"'{param}' holds {n} messages; at most {MAX_MESSAGES} are "
-                       f"allowed", param=param, code="array_above_max_length")
 
 
 class TokenFloor:

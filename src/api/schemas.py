@@ -1,54 +1,197 @@
-"""Request bodies -> validated engine options; every mistake is a 400 naming the field.
+"""The request bodies of both surfaces as pydantic models; a mistake is a 400 naming the field.
 
-Only the shape is checked here (types, required fields, unsupported features). Value ranges of
-the sampling knobs are the engine's to judge: `Engine.make_request` raises ValueError with a
-message that already names the knob.
+One model per body: `ChatCompletionBody` (POST /v1/chat/completions), `CompletionBody`
+(/v1/completions) and `MessagesBody` (Anthropic's /v1/messages). Each declares every field the
+server reads, its JSON type and its limits, and is the OpenAPI document's schema of that body
+(`openapi_document`, served at GET /openapi.json). The rules:
+
+- JSON's own types only (strict): "1" is no number and true no integer, but 1.0 is the integer 1
+  (some clients write every number as a float). Unknown fields are ignored (OpenAI clients send
+  many).
+- Float knobs are checked as the float32 sampler uses them, from the sampler's own table
+  (`runtime.sampling.KNOB_RANGES`, which `SamplingParams.validate` also guards): finite, in
+  range as a float and after the cast, and not below the smallest value float32 keeps.
+- The cheap-refusal caps are limits of the models: at most `MAX_MESSAGES` messages (counted
+  before any message is looked at), `MAX_STOP` stop strings, `MAX_TOP_LOGPROBS` alternatives.
+
+A `ValidationError` becomes one `APIError` (`request_error`): its first error's location is the
+`param` ('messages[0].role'; a field the engine takes whole, such as 'logit_bias', names just
+that field), and its text comes from `_MESSAGES`, the one table of what a client is told. The
+Anthropic body names its fields Anthropic's way (messages.0.role, no quotes).
+
+`parse_chat` and `parse_completion` (and `anthropic.parse_messages`) then turn a valid body into
+what the handlers take: chat-template messages, the tool choice and `Engine.make_request`
+keywords. The body's JSON itself is read by `parse_body`: strict JSON (no NaN), no lone
+surrogates.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+import numpy as np
+from annotated_types import Ge, Le, MaxLen, MinLen
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 from slotserve.api.errors import APIError, bad_request
-from slotserve.api.limits import check_message_count
+from slotserve.api.limits import MAX_MESSAGES
 from slotserve.api.tools import ToolChoice
-from slotserve.runtime.sampling import short_repr
+from slotserve.runtime.sampling import KNOB_RANGES, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, KnobRange
 
 MAX_STOP = 16
 MAX_CACHE_SALT = 1024  # characters
-MAX_TOP_LOGPROBS = 20
-ROLES = {"system", "user", "assistant", "tool", "developer"}
-TINY_TEMPERATURE = 1e-30
-_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only; the vocabulary check is the engine's
-FLOAT_KNOBS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-               "repetition_penalty")
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only (int() takes " 1", "1_000", "٣")
 
 
-@dataclass
-class ChatRequest:
-    messages: list[dict[str, Any]]
-    model: str | None = None
-    stream: bool = False
-    include_usage: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: ToolChoice = field(default_factory=ToolChoice)
-    logprobs: bool = False
-    top_logprobs: int = 0
-    options: dict[str, Any] = field(default_factory=dict)  # Engine.make_request keywords
+# ---- what a client is told -----------------------------------------------------------------
+
+# Error type (pydantic's own, or one raised below) -> message. `{name}` is the field as the
+# client wrote it, `{kind}` the JSON type it sent, `{value}` a short repr of the value; the other
+# fields come from the error's context. Every min_length below is 1 ("must not be empty").
+_MESSAGES: dict[str, str] = {
+    "missing": "{name} is required",
+    "bool_type": "{name} must be a boolean, got {kind}",
+    "int_type": "{name} must be an integer, got {kind}",
+    "string_type": "{name} must be a string, got {kind}",
+    "dict_type": "{name} must be an object, got {kind}",
+    "model_type": "{name} must be an object, got {kind}",
+    "list_type": "{name} must be an array, got {kind}",
+    "literal_error": "{name} must be {expected}, got {value}",
+    "greater_than_equal": "{name} must be >= {ge}, got {value}",
+    "less_than_equal": "{name} must be <= {le}, got {value}",
+    "too_short": "{name} must not be empty",
+    "too_long": "{name} holds {actual_length} items; at most {max_length} are allowed",
+    "string_too_short": "{name} must not be empty",
+    "string_too_long": "{name} must be at most {max_length} characters long",
+    "one_of": "{name} must be {expected}",
+    "number_type": "{name} must be a number, got {kind}",
+    "finite_number": "{name} must be a finite number, got {value}",
+    "knob_range": "{name} must be in {range}, got {value}{note}",
+    "token_id": "{name} keys must be token ids in plain decimal digits, got {value}",
+    "token_range": "{name} token id {token} is out of range [0, {vocab_size})",
+    "text_or_list": "{name} must be a string or an array of strings, got {kind}",
+    "text_or_parts": "{name} must be a string or an array of text parts, got {kind}",
+    "text_or_blocks": "{name} must be a string or an array of text blocks, got {kind}",
+    "content_or_blocks": "{name} must be a string or an array of content blocks, got {kind}",
+    "part_type": "{name}: content parts of type {part} are not supported (text only)",
+    "block_type": "{name}: content blocks of type {block} are not supported in {role} messages "
+                  "(supported: {allowed})",
+    "content_required": "{name} is required for role {role}",
+    "calls_on_assistant": "{name} must be an array on an assistant message",
+    "required_for": "{name} is required when {when}",
+    "requires": "{name} requires {other}",
+    "no_tools": "{name} is {choice} but no 'tools' were given",
+    "unknown_tool": "{name} names the function {tool}, which is not in 'tools'",
+    "empty": "{name} is empty",
+    "prompt_type": "{name} must be a non-empty string or an array of token ids",
+    "n_unsupported": "{name} = {value} is not supported: this server returns one choice per "
+                     "request (send {value} requests instead)",
+    "not_supported": "{name} is not supported",
+    "best_of_unsupported": "{name} > 1 is not supported",
+    "batched_prompt": "batched prompts are not supported: send one prompt per request",
+}
+_CODES = {"too_long": "array_above_max_length", "n_unsupported": "unsupported",
+          "not_supported": "unsupported", "best_of_unsupported": "unsupported",
+          "batched_prompt": "unsupported"}
+# Fields the engine takes whole: an error inside one names the field itself as the param.
+_WHOLE = frozenset({"logit_bias", "prompt", "response_format", "stop", "stream_options",
+                    "tool_choice"})
 
 
-@dataclass
-class CompletionRequest:
-    prompt: str | list[int]
-    model: str | None = None
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: int | None = None  # None: no logprobs; k: the chosen token plus k alternatives
-    options: dict[str, Any] = field(default_factory=dict)
+def _fail(kind: str, *at: str | int, **ctx: Any) -> PydanticCustomError:
+    """The error of type `kind` for the value being validated; `at` locates it further
+    inside that value (an element a validator of the whole found at fault)."""
+    return PydanticCustomError(kind, _MESSAGES[kind], {**ctx, "at": at} if at else ctx)
+
+
+def request_error(exc: ValidationError, anthropic: bool = False) -> APIError:
+    """The 400 for a body that failed validation: its first error, named the surface's way."""
+    err = exc.errors(include_url=False)[0]
+    ctx = dict(err.get("ctx") or {})
+    loc = tuple(err["loc"])
+    if loc[-1:] == ("[key]",):  # a bad key of an object: the object is the field at fault
+        loc = loc[:-2]
+    loc += tuple(ctx.pop("at", ()))
+    return _error(err["type"], loc, err.get("input"), ctx, anthropic, err.get("msg", ""))
+
+
+def _error(kind: str, loc: tuple[str | int, ...], value: Any, ctx: dict[str, Any],
+           anthropic: bool, fallback: str = "") -> APIError:
+    path = _path(loc, anthropic)
+    name = path if anthropic else f"'{path}'"
+    template = _MESSAGES.get(kind)
+    if template is None:  # a pydantic error no model here should raise: its own words
+        message = f"{name}: {fallback}"
+    else:
+        message = template.format(name=name, kind=_kind(value), value=short_repr(value), **ctx)
+    param = str(loc[0]) if loc and loc[0] in _WHOLE else path or None
+    return APIError(400, message, param=param, code=_CODES.get(kind))
+
+
+def _path(loc: tuple[str | int, ...], anthropic: bool) -> str:
+    """('messages', 0, 'role') -> messages[0].role (OpenAI) or messages.0.role (Anthropic);
+    an object's key that is no identifier (a token id) is written in brackets."""
+    out = ""
+    for part in loc:
+        if anthropic:
+            out += f".{part}" if out else str(part)
+        elif isinstance(part, int) or not part.isidentifier():
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "an integer", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def short_repr(value: object) -> str:
+    """A value for an error message: a scalar's repr cut to ~40 characters (never the whole of
+    a huge input, never an exception for an int past Python's digit limit); a container by its
+    kind (its repr could be megabytes, or nested past the recursion limit)."""
+    if isinstance(value, dict | list | tuple):
+        return _kind(value)
+    if isinstance(value, str) and len(value) > 40:
+        return f"{value[:20]!r}...({len(value)} characters)"
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4,300-digit str limit
+        return "an integer of over 4300 digits"
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+M = TypeVar("M", bound="Wire")
+
+
+def validated(model: type[M], body: dict[str, Any]) -> M:
+    """`body` as a `model`, or the APIError (400) of its first mistake."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise request_error(exc, model.anthropic) from None
 
 
 # ---- the body ----------------------------------------------------------------------------
@@ -92,372 +235,692 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _kind(value: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-             int: "an integer", float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
+# ---- field types ---------------------------------------------------------------------------
 
 
-# ---- field readers -------------------------------------------------------------------------
+class Wire(BaseModel):
+    """A request body or a part of one: JSON's own types only, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    anthropic: ClassVar[bool] = False  # name fields Anthropic's way in errors
 
 
-def _bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"'{key}' must be a boolean, got {_kind(value)}", key)
-    return value
+def _integral_float(value: Any) -> Any:
+    """1.0 is the integer 1; 1.5 stays a float, which the strict int check refuses."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _int(body: dict[str, Any], key: str, lo: int | None = None,
-         hi: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{key}' must be an integer, got {_kind(value)}", key)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise bad_request(f"'{key}' must be {bounds}, got {value}", key)
-    return value
-
-
-def _number(body: dict[str, Any], key: str) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"'{key}' must be a number, got {_kind(value)}", key)
-    return finite(value, f"'{key}'", key)
-
-
-def finite(value: int | float, name: str, param: str) -> float:
+def _finite(value: Any) -> float:
     """A JSON number as a float, refusing what has no finite float (1e400, 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail("number_type")
     try:
         out = float(value)
     except OverflowError:
         out = math.inf
     if not math.isfinite(out):
-        raise bad_request(f"{name} must be a finite number, got {short_repr(value)}", param)
+        raise _fail("finite_number")
     return out
 
 
-def _str(body: dict[str, Any], key: str) -> str | None:
-    value = body.get(key)
-    if value is not None and not isinstance(value, str):
-        raise bad_request(f"'{key}' must be a string, got {_kind(value)}", key)
-    return value
+def _integer(*limits: Any) -> Any:
+    """A JSON integer within `limits` (annotated_types bounds, kept in the int's own schema so
+    the JSON Schema says minimum / maximum)."""
+    return Annotated[int, *limits, BeforeValidator(_integral_float)]
 
 
-def _object(value: Any, name: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise bad_request(f"'{name}' must be an object, got {_kind(value)}", name)
-    return value
+Integer = _integer()
+PositiveInt = _integer(Ge(1))
+LogprobCount = _integer(Ge(0), Le(MAX_TOP_LOGPROBS))
+Number = Annotated[float, BeforeValidator(_finite)]
 
 
-# ---- shared options ------------------------------------------------------------------------
+def _range_note(limits: KnobRange, value: float) -> str:
+    """Why a value inside the knob's bounds as written is still refused (float32 loses it)."""
+    inside = (limits.lo < value if limits.open_lo else limits.lo <= value) and value <= limits.hi
+    if not inside:
+        return ""
+    if abs(value) < limits.floor:
+        return f" (below {limits.floor:g}, the least the float32 sampler takes)"
+    with np.errstate(over="ignore", under="ignore"):
+        return f" ({float(np.float32(value)):g} in float32)"
 
 
-def check_response_format(value: Any) -> dict[str, Any] | None:
-    """`response_format` -> the engine's `response_format` option (None: plain text).
-
-    Only the shape is checked here; the schema itself is compiled when the request is made, and
-    one llguidance cannot honour is refused then, also with a 400 naming response_format.
-    """
-    if value is None:
-        return None
-    fmt = _object(value, "response_format")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise bad_request("'response_format.json_schema' must be an object: {'name': ..., "
-                              "'schema': {...}, 'strict': ...}", "response_format")
-        schema = spec.get("schema", {})
-        if not isinstance(schema, dict):
-            raise bad_request(f"'response_format.json_schema.schema' must be a JSON Schema "
-                              f"object, got {_kind(schema)}", "response_format")
-        for key, types, what in (("name", str, "a string"), ("strict", bool, "a boolean")):
-            if spec.get(key) is not None and not isinstance(spec[key], types):
-                raise bad_request(f"'response_format.json_schema.{key}' must be {what}",
-                                  "response_format")
-        return {"type": "json_schema", "json_schema": {
-            "name": spec.get("name"), "schema": schema, "strict": spec.get("strict")}}
-    raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', "
-                      f"got {kind!r}", "response_format")
+def _greedy_when_tiny(value: float) -> float:
+    """A temperature whose 1 / t float32 cannot hold is greedy anyway: it is sent as 0."""
+    return 0.0 if 0.0 < value < MIN_TEMPERATURE else value
 
 
-def _stop(body: dict[str, Any]) -> list[str] | None:
-    value = body.get("stop")
-    if value is None:
-        return None
+def _knob(name: str, *before_check: AfterValidator) -> Any:
+    """The type of the float knob `name`: a finite number within `KNOB_RANGES[name]`."""
+    limits = KNOB_RANGES[name]
+
+    def check(value: float) -> float:
+        if not limits.contains(value):
+            raise _fail("knob_range", range=str(limits), note=_range_note(limits, value))
+        return value
+
+    bounds = {"exclusiveMinimum" if limits.open_lo else "minimum": limits.lo,
+              "maximum": limits.hi}
+    return Annotated[float, BeforeValidator(_finite), *before_check, AfterValidator(check),
+                     WithJsonSchema({"type": "number", **bounds})]
+
+
+Temperature = _knob("temperature", AfterValidator(_greedy_when_tiny))
+TopP = _knob("top_p")
+MinP = _knob("min_p")
+RepetitionPenalty = _knob("repetition_penalty")
+FrequencyPenalty = _knob("frequency_penalty")
+PresencePenalty = _knob("presence_penalty")
+
+
+def _token_id(key: str) -> str:
+    if not _TOKEN_ID.fullmatch(key):
+        raise _fail("token_id")
+    return key
+
+
+def _int_keys(bias: dict[str, float]) -> dict[int, float]:
+    return {int(k): v for k, v in bias.items()}
+
+
+TokenId = Annotated[str, AfterValidator(_token_id),
+                    WithJsonSchema({"type": "string", "pattern": "^[0-9]{1,10}$"})]
+LogitBias = Annotated[dict[TokenId, Number], AfterValidator(_int_keys)]
+CacheSalt = Annotated[str, MinLen(1), MaxLen(MAX_CACHE_SALT)]  # as in vLLM
+
+
+def _strings(value: Any) -> Any:
+    """`stop`: one string is a list of one."""
     if isinstance(value, str):
         return [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise bad_request("'stop' must be a string or an array of strings", "stop")
-    if len(value) > MAX_STOP:
-        raise bad_request(f"'stop' may hold at most {MAX_STOP} strings, got {len(value)}", "stop")
+    if not isinstance(value, list):
+        raise _fail("text_or_list")
     return value
 
 
-def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
-    value = body.get("logit_bias")
-    if value is None:
-        return None
-    bias = _object(value, "logit_bias")
-    out: dict[int, float] = {}
-    for key, b in bias.items():
-        if not _TOKEN_ID.fullmatch(key):  # not int(): it takes " 1", "1_000" and "٣"
-            raise bad_request(f"'logit_bias' keys must be token ids in plain decimal digits, "
-                              f"got {short_repr(key)}", "logit_bias")
-        if isinstance(b, bool) or not isinstance(b, int | float):
-            raise bad_request(f"'logit_bias[{key}]' must be a number, got {_kind(b)}",
-                              "logit_bias")
-        out[int(key)] = finite(b, f"'logit_bias[{key}]'", "logit_bias")
-    return out
+Stop = Annotated[list[str], MaxLen(MAX_STOP),
+                 BeforeValidator(_strings, json_schema_input_type=str | Annotated[
+                     list[str], MaxLen(MAX_STOP)])]
 
 
-def _options(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
-    """Sampling and length options shared by both endpoints, as make_request keywords."""
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise APIError(400, f"'n' = {n} is not supported: this server returns one choice per "
-                       f"request (send {n} requests instead)", param="n", code="unsupported")
-    opts: dict[str, Any] = {}
-    for key in max_tokens_keys:  # later keys win (max_completion_tokens over max_tokens)
-        value = _int(body, key, lo=1)
-        if value is not None:
-            opts["max_tokens"] = value
-    for key in FLOAT_KNOBS:
-        value = _number(body, key)
-        if value is not None:
-            opts[key] = value
-    if 0.0 < opts.get("temperature", 1.0) < TINY_TEMPERATURE:
-        opts["temperature"] = 0.0  # 1/t would overflow the sampler's float32 scale: argmax anyway
-    top_k = _int(body, "top_k", lo=-1)
-    if top_k is not None:
-        opts["top_k"] = max(top_k, 0)  # -1 (vLLM) and 0 both mean "off"
-    seed = _int(body, "seed")
-    if seed is not None:
-        opts["seed"] = seed
-    bias = _logit_bias(body)
-    if bias:
-        opts["logit_bias"] = bias
-    stop = _stop(body)
-    if stop:
-        opts["stop"] = stop
-    opts["ignore_eos"] = _bool(body, "ignore_eos")
-    fmt = check_response_format(body.get("response_format"))
-    if fmt is not None:
-        opts["response_format"] = fmt
-    opts.update(cache_salt(body))
-    return opts
+def _one_of(expected: str) -> WrapValidator:
+    """Replace a union's errors (one per member) by one that lists what is accepted."""
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise _fail("one_of", expected=expected) from None
+
+    return WrapValidator(validate)
 
 
-def cache_salt(body: dict[str, Any]) -> dict[str, str]:
-    """`cache_salt` (as in vLLM): requests with different salts never share prefix KV."""
-    salt = _str(body, "cache_salt")
-    if salt is None:
-        return {}
-    if not 0 < len(salt) <= MAX_CACHE_SALT:
-        raise bad_request(f"'cache_salt' must be a non-empty string of at most "
-                          f"{MAX_CACHE_SALT} characters", "cache_salt")
-    return {"cache_salt": salt}
+# ---- shared parts ----------------------------------------------------------------------------
 
 
-def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _bool(body, "stream")
-    so = body.get("stream_options")
-    include_usage = False
-    if so is not None:
-        include_usage = _bool(_object(so, "stream_options"), "include_usage")
-    return stream, include_usage
+class StreamOptions(Wire):
+    include_usage: bool | None = None
 
 
-# ---- chat ----------------------------------------------------------------------------------
+class JsonSchemaSpec(Wire):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    if "messages" not in body:
-        raise bad_request("'messages' is required", "messages")
-    messages = body["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array of message objects", "messages")
-    check_message_count(len(messages))
-    stream, include_usage = _streaming(body)
-    logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS) or 0
-    if top and not logprobs:
-        raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    tools = _tools(body.get("tools"))
-    options = _options(body, ("max_tokens", "max_completion_tokens"))
-    options.update(logprobs=logprobs, top_logprobs=top)
-    return ChatRequest(
-        messages=[_message(m, i) for i, m in enumerate(messages)], model=_str(body, "model"),
-        stream=stream, include_usage=include_usage, tools=tools,
-        tool_choice=_tool_choice(body.get("tool_choice"), tools), logprobs=logprobs,
-        top_logprobs=top, options=options,
-    )
+class ResponseFormat(Wire):
+    """`response_format`. Only its shape is checked here; the schema is compiled when the
+    request is made, and one llguidance cannot honour is refused then (a 400 too)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = Field(None, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_only_for_its_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "json_schema":
+            return {k: data[k] for k in ("type",) if k in data}  # the rest is ignored
+        return data
+
+    @field_validator("json_schema")
+    @classmethod
+    def _needs_schema(cls, spec: JsonSchemaSpec | None,
+                      info: ValidationInfo) -> JsonSchemaSpec | None:
+        if spec is None and info.data.get("type") == "json_schema":
+            raise _fail("required_for", when="'type' is 'json_schema'")
+        return spec
+
+    def option(self) -> dict[str, Any] | None:
+        """The engine's `response_format` option (None: plain text)."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None:
+            return {"type": "json_object"}
+        spec = self.json_schema
+        return {"type": "json_schema", "json_schema": {
+            "name": spec.name, "schema": spec.schema_, "strict": spec.strict}}
 
 
-def _message(m: Any, i: int) -> dict[str, Any]:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad_request(f"'{where}' must be an object, got {_kind(m)}", where)
-    role = m.get("role")
-    if not isinstance(role, str) or role not in ROLES:  # a list or object is no role either
-        raise bad_request(f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}",
-                          f"{where}.role")
-    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
-    content = m.get("content")
-    if content is None:
-        if role not in ("assistant", "tool"):
-            raise bad_request(f"'{where}.content' is required for role {role!r}",
-                              f"{where}.content")
-        content = ""
-    out["content"] = _content(content, f"{where}.content")
-    for key in ("name", "tool_call_id"):
-        value = m.get(key)
-        if value is not None:
-            if not isinstance(value, str):
-                raise bad_request(f"'{where}.{key}' must be a string", f"{where}.{key}")
-            out[key] = value
-    calls = m.get("tool_calls")
-    if calls is not None:
-        if role != "assistant" or not isinstance(calls, list):
-            raise bad_request(f"'{where}.tool_calls' must be an array on an assistant message",
-                              f"{where}.tool_calls")
-        out["tool_calls"] = [_past_call(c, f"{where}.tool_calls[{j}]")
-                             for j, c in enumerate(calls)]
-    return out
+# ---- OpenAI --------------------------------------------------------------------------------
 
 
-def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"'{where}' must be a string or an array of text parts, "
-                          f"got {_kind(content)}", where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type", "text") if isinstance(part, dict) else None
-        if isinstance(part, dict) and kind != "text":
-            raise bad_request(f"'{where}[{j}]': content parts of type {kind!r} are not "
-                              f"supported (text only)", f"{where}[{j}]")
-        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-            raise bad_request(f"'{where}[{j}]' must be {{'type': 'text', 'text': <string>}}",
-                              f"{where}[{j}]")
-        texts.append(part["text"])
-    return "\n".join(texts)
+class TextPart(Wire):
+    type: Literal["text"] = "text"
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type", "text") != "text":
+            raise _fail("part_type", part=short_repr(data.get("type")))
+        return data
 
 
-def _past_call(call: Any, where: str) -> dict[str, Any]:
+def _text_as_part(value: Any) -> Any:
+    """Message content: a string is one text part."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if value is not None and not isinstance(value, list):
+        raise _fail("text_or_parts")
+    return value
+
+
+class PastFunction(Wire):
+    name: str
+    arguments: Annotated[str | dict[str, Any],
+                         _one_of("a JSON string or an object")] = "{}"
+
+
+def _str_or_none(value: Any) -> str | None:
+    """A past call's id is kept when it is a string and dropped otherwise."""
+    return value if isinstance(value, str) else None
+
+
+class PastToolCall(Wire):
     """A tool call the assistant made earlier in the conversation."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise bad_request(f"'{where}' must be {{'type': 'function', 'function': "
-                          f"{{'name': ..., 'arguments': ...}}}}", where)
-    args = fn.get("arguments", "{}")
-    if not isinstance(args, str | dict):
-        raise bad_request(f"'{where}.function.arguments' must be a JSON string",
-                          f"{where}.function.arguments")
-    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
-    return out
+
+    id: Annotated[str | None, BeforeValidator(_str_or_none, json_schema_input_type=str)] = None
+    function: PastFunction
+
+    def template_call(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "function", "function": {
+            "name": self.function.name, "arguments": self.function.arguments}}
+        if self.id is not None:
+            out["id"] = self.id
+        return out
 
 
-def _tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise bad_request(f"'tools' must be an array, got {_kind(value)}", "tools")
-    tools = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(fn, dict):
-            raise bad_request(f"'{where}' must be {{'type': 'function', 'function': {{...}}}}",
-                              where)
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"'{where}.function.name' must be a non-empty string",
-                              f"{where}.function.name")
-        clean: dict[str, Any] = {"name": name}
-        if fn.get("description") is not None:
-            if not isinstance(fn["description"], str):
-                raise bad_request(f"'{where}.function.description' must be a string",
-                                  f"{where}.function.description")
-            clean["description"] = fn["description"]
-        if fn.get("parameters") is not None:
-            clean["parameters"] = _object(fn["parameters"], f"{where}.function.parameters")
-        tools.append({"type": "function", "function": clean})
-    return tools or None
+class ChatMessage(Wire):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Annotated[list[TextPart] | None, BeforeValidator(
+        _text_as_part, json_schema_input_type=str | list[TextPart] | None)] = Field(
+            None, validate_default=True)
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[PastToolCall] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content: list[TextPart] | None,
+                          info: ValidationInfo) -> list[TextPart] | None:
+        role = info.data.get("role")
+        if content is None and role is not None and role not in ("assistant", "tool"):
+            raise _fail("content_required", role=repr(role))
+        return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_on_assistant(cls, calls: list[PastToolCall] | None,
+                            info: ValidationInfo) -> list[PastToolCall] | None:
+        role = info.data.get("role")
+        if calls is not None and role is not None and role != "assistant":
+            raise _fail("calls_on_assistant")
+        return calls
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template takes it (the developer role is system's)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": "\n".join(p.text for p in self.content or [])}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.template_call() for c in self.tool_calls]
+        return out
 
 
-def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
-    if value is None:
-        return ToolChoice("auto" if tools else "none")
-    if value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise bad_request("'tool_choice' is 'required' but no 'tools' were given",
-                              "tool_choice")
-        return ToolChoice(value if tools else "none")
-    fn = value.get("function") if isinstance(value, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
-        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
-                          "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-    if not any(t["function"]["name"] == name for t in tools or []):
-        raise bad_request(f"'tool_choice' names the function {name!r}, which is not in 'tools'",
-                          "tool_choice")
-    return ToolChoice("function", name)
+class FunctionDef(Wire):
+    name: Annotated[str, MinLen(1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
 
 
-# ---- completions ---------------------------------------------------------------------------
+class Tool(Wire):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+    def openai(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.function.name}
+        if self.function.description is not None:
+            fn["description"] = self.function.description
+        if self.function.parameters is not None:
+            fn["parameters"] = self.function.parameters
+        return {"type": "function", "function": fn}
 
 
-def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    if "prompt" not in body:
-        raise bad_request("'prompt' is required", "prompt")
-    if _bool(body, "echo"):
-        raise APIError(400, "'echo' is not supported", param="echo", code="unsupported")
-    if body.get("suffix"):
-        raise APIError(400, "'suffix' is not supported", param="suffix", code="unsupported")
-    best_of = _int(body, "best_of")
-    if best_of not in (None, 1):
-        raise APIError(400, "'best_of' > 1 is not supported", param="best_of",
-                       code="unsupported")
-    stream, include_usage = _streaming(body)
-    logprobs = _int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
-    options = _options(body, ("max_tokens",))
-    if logprobs is not None:
-        options.update(logprobs=True, top_logprobs=logprobs)
-    return CompletionRequest(prompt=_prompt(body["prompt"]), model=_str(body, "model"),
-                             stream=stream, include_usage=include_usage, logprobs=logprobs,
-                             options=options)
+class NamedFunction(Wire):
+    name: str
+
+
+class NamedToolChoice(Wire):
+    function: NamedFunction
+
+
+OpenAIToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice,
+    _one_of("'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")]
+
+
+class _OpenAIBody(Wire):
+    """What both OpenAI routes take: the model, streaming, and the sampling and length
+    options (`Engine.make_request` keywords)."""
+
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: Integer | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    min_p: MinP | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    presence_penalty: PresencePenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    top_k: _integer(Ge(-1)) | None = None  # -1 (vLLM) and 0 both mean "off"
+    seed: Integer | None = None
+    logit_bias: LogitBias | None = None
+    stop: Stop | None = None
+    ignore_eos: bool | None = None
+    response_format: ResponseFormat | None = None
+    cache_salt: CacheSalt | None = None  # requests with different salts never share KV
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise _fail("n_unsupported")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def options(self, max_tokens: int | None) -> dict[str, Any]:
+        """The sampling and length options, as `Engine.make_request` keywords."""
+        opts: dict[str, Any] = {} if max_tokens is None else {"max_tokens": max_tokens}
+        for key in KNOB_RANGES:
+            value = getattr(self, key)
+            if value is not None:
+                opts[key] = value
+        if self.top_k is not None:
+            opts["top_k"] = max(self.top_k, 0)
+        if self.seed is not None:
+            opts["seed"] = self.seed
+        if self.logit_bias:
+            opts["logit_bias"] = self.logit_bias
+        if self.stop:
+            opts["stop"] = self.stop
+        opts["ignore_eos"] = bool(self.ignore_eos)
+        fmt = self.response_format.option() if self.response_format is not None else None
+        if fmt is not None:
+            opts["response_format"] = fmt
+        if self.cache_salt is not None:
+            opts["cache_salt"] = self.cache_salt
+        return opts
+
+
+class ChatCompletionBody(_OpenAIBody):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], MinLen(1), MaxLen(MAX_MESSAGES)]
+    max_completion_tokens: PositiveInt | None = None  # wins over max_tokens
+    logprobs: bool | None = None
+    top_logprobs: LogprobCount | None = None
+    tools: list[Tool] | None = None
+    tool_choice: OpenAIToolChoice | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and "logprobs" in info.data and not info.data["logprobs"]:
+            raise _fail("requires", other="'logprobs': true")
+        return top
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:  # the tools' own error is the one reported
+            return choice
+        names = {t.function.name for t in info.data["tools"] or []}
+        if choice == "required" and not names:
+            raise _fail("no_tools", choice="'required'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _fail("unknown_tool", tool=short_repr(choice.function.name))
+        return choice
+
+    def request(self) -> ChatRequest:
+        tools = [t.openai() for t in self.tools or []] or None
+        choice = self.tool_choice
+        if choice is None:
+            tool_choice = ToolChoice("auto" if tools else "none")
+        elif isinstance(choice, NamedToolChoice):
+            tool_choice = ToolChoice("function", choice.function.name)
+        else:
+            tool_choice = ToolChoice(choice if tools else "none")
+        top = self.top_logprobs or 0
+        logprobs = bool(self.logprobs)
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        options = {**self.options(max_tokens), "logprobs": logprobs, "top_logprobs": top}
+        return ChatRequest(
+            messages=[m.template_message() for m in self.messages], model=self.model,
+            stream=bool(self.stream), include_usage=self.include_usage, tools=tools,
+            tool_choice=tool_choice, logprobs=logprobs, top_logprobs=top, options=options)
 
 
 def _prompt(value: Any) -> str | list[int]:
+    """A non-empty text or token-id list; a batch of one is that one prompt."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]  # a batch of one
+        value = value[0]
     if isinstance(value, str):
         if not value:
-            raise bad_request("'prompt' is empty", "prompt")
+            raise _fail("empty")
         return value
     if isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     if isinstance(value, list) and len(value) > 1 and all(
             isinstance(p, str | list) for p in value):
-        raise APIError(400, "batched prompts are not supported: send one prompt per request",
-                       param="prompt", code="unsupported")
-    raise bad_request("'prompt' must be a non-empty string or an array of token ids", "prompt")
+        raise _fail("batched_prompt")
+    raise _fail("prompt_type")
+
+
+Prompt = Annotated[str | list[int], PlainValidator(
+    _prompt, json_schema_input_type=Annotated[str, MinLen(1)] | Annotated[list[int], MinLen(1)])]
+
+
+def _falsy(value: Any) -> Any:
+    if value:
+        raise _fail("not_supported")
+    return value
+
+
+class CompletionBody(_OpenAIBody):
+    """POST /v1/completions (the legacy text completion)."""
+
+    prompt: Prompt
+    echo: bool | None = None
+    suffix: Annotated[Any, AfterValidator(_falsy),
+                      WithJsonSchema({"type": "string", "maxLength": 0})] = None
+    best_of: Integer | None = None
+    logprobs: LogprobCount | None = None  # alternatives per token
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            raise _fail("not_supported")
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_of_one(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise _fail("best_of_unsupported")
+        return best_of
+
+    def request(self) -> CompletionRequest:
+        options = self.options(self.max_tokens)
+        if self.logprobs is not None:
+            options.update(logprobs=True, top_logprobs=self.logprobs)
+        return CompletionRequest(prompt=self.prompt, model=self.model, stream=bool(self.stream),
+                                 include_usage=self.include_usage, logprobs=self.logprobs,
+                                 options=options)
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict[str, Any]]  # as the chat template takes them
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    options: dict[str, Any] = field(default_factory=dict)  # Engine.make_request keywords
+
+
+@dataclass
+class CompletionRequest:
+    prompt: str | list[int]
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token plus k alternatives
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    return validated(ChatCompletionBody, body).request()
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    return validated(CompletionBody, body).request()
+
+
+class _FormatOnly(Wire):
+    response_format: ResponseFormat | None = None
+
+
+def check_response_format(value: Any) -> dict[str, Any] | None:
+    """A `response_format` value -> the engine's `response_format` option (None: plain text)."""
+    fmt = validated(_FormatOnly, {"response_format": value}).response_format
+    return None if fmt is None else fmt.option()
+
+
+def check_vocabulary(options: dict[str, Any], vocab_size: int) -> None:
+    """Refuse `logit_bias` ids past the vocabulary, which only the loaded model knows."""
+    bad = next((t for t in options.get("logit_bias") or () if t >= vocab_size), None)
+    if bad is not None:
+        raise _error("token_range", ("logit_bias",), bad,
+                     {"token": bad, "vocab_size": vocab_size}, anthropic=False)
+
+
+def out_of_vocabulary(param: str, token: int, vocab_size: int) -> APIError:
+    """The 400 for a token id (of a prompt) that the vocabulary does not have."""
+    return _error("token_range", (param,), token, {"token": token, "vocab_size": vocab_size},
+                  anthropic=False)
+
+
+# ---- Anthropic -----------------------------------------------------------------------------
+
+
+class TextBlock(Wire):
+    type: Literal["text"]
+    text: str
+
+
+def _as_text_blocks(value: Any) -> Any:
+    """A system prompt or tool result: a string is one text block."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise _fail("text_or_blocks")
+    return value
+
+
+Text = Annotated[list[TextBlock], BeforeValidator(
+    _as_text_blocks, json_schema_input_type=str | list[TextBlock])]
+
+
+def joined(blocks: list[TextBlock]) -> str:
+    return "\n".join(b.text for b in blocks)
+
+
+class ToolUseBlock(Wire):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(Wire):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Text = Field(default_factory=list)
+    # any truthy value marks an error, as before these models (Anthropic sends a boolean)
+    is_error: Annotated[Any, WithJsonSchema({"type": "boolean"})] = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+_BLOCKS_OF = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+
+
+def _as_blocks(value: Any) -> Any:
+    """Message content: a string is one text block."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise _fail("content_or_blocks")
+    return value
+
+
+class AnthropicMessage(Wire):
+    role: Literal["user", "assistant"]
+    content: Annotated[list[Block], BeforeValidator(
+        _as_blocks, json_schema_input_type=str | list[Block])]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blocks_of_role(cls, data: Any) -> Any:
+        """A user sends text and tool results, the assistant text and tool calls."""
+        if not isinstance(data, dict) or not isinstance(data.get("content"), list):
+            return data
+        role = data.get("role")
+        allowed = _BLOCKS_OF.get(role) if isinstance(role, str) else None
+        for j, block in enumerate(data["content"] if allowed else ()):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in allowed:
+                raise _fail("block_type", "content", j, block=short_repr(kind),
+                            role=role, allowed=", ".join(allowed))
+        return data
+
+
+class AnthropicTool(Wire):
+    type: Literal["custom"] = "custom"  # client tools only
+    name: Annotated[str, MinLen(1)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    def openai(self) -> dict[str, Any]:
+        """The OpenAI shape the shared tool code takes."""
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+class AnthropicToolChoice(Wire):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # the tool, for type "tool"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_only_for_tool(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "tool":
+            return {k: data[k] for k in ("type",) if k in data}  # the rest is ignored
+        return data
+
+
+class MessagesBody(Wire):
+    """POST /v1/messages (Anthropic's Messages API)."""
+
+    anthropic = True
+    model: str | None = None
+    max_tokens: PositiveInt
+    messages: Annotated[list[AnthropicMessage], MinLen(1), MaxLen(MAX_MESSAGES)]
+    system: Text | None = None
+    stream: bool = False
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: _integer(Ge(0)) | None = None
+    stop_sequences: Annotated[list[str], MaxLen(MAX_STOP)] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    cache_salt: CacheSalt | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, choice: AnthropicToolChoice | None,
+                         info: ValidationInfo) -> AnthropicToolChoice | None:
+        if choice is None or "tools" not in info.data:
+            return choice
+        names = {t.name for t in info.data["tools"] or []}
+        if choice.type in ("any", "tool") and not names:
+            raise _fail("no_tools", choice=repr(choice.type))
+        if choice.type == "tool" and choice.name not in names:
+            raise _fail("unknown_tool", tool=short_repr(choice.name))
+        return choice
+
+    def tool_choice_for(self, tools: list[dict[str, Any]] | None) -> ToolChoice:
+        choice = self.tool_choice
+        if choice is None or choice.type == "auto":
+            return ToolChoice("auto" if tools else "none")
+        if choice.type == "none":
+            return ToolChoice("none")
+        if choice.type == "any":
+            return ToolChoice("required")
+        return ToolChoice("function", choice.name)
+
+    def options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"max_tokens": self.max_tokens}
+        for key in ("temperature", "top_p", "top_k"):
+            value = getattr(self, key)
+            if value is not None:
+                opts[key] = value
+        if self.stop_sequences:
+            opts["stop"] = self.stop_sequences
+        if self.cache_salt is not None:
+            opts["cache_salt"] = self.cache_salt
+        return opts
+
+
+# ---- the OpenAPI document ------------------------------------------------------------------
+
+ROUTES: dict[str, tuple[type[Wire], str]] = {
+    "/v1/chat/completions": (ChatCompletionBody, "Create a chat completion (OpenAI)"),
+    "/v1/completions": (CompletionBody, "Create a text completion (OpenAI, legacy)"),
+    "/v1/messages": (MessagesBody, "Create a message (Anthropic)"),
+}
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """OpenAPI 3.1 for the generation routes, their request bodies from the models above."""
+    refs, defs = models_json_schema([(model, "validation") for model, _ in ROUTES.values()],
+                                    ref_template="#/components/schemas/{model}")
+    paths = {}
+    for path, (model, summary) in ROUTES.items():
+        paths[path] = {"post": {
+            "summary": summary,
+            "operationId": model.__name__,
+            "requestBody": {"required": True, "content": {
+                "application/json": {"schema": refs[(model, "validation")]}}},
+            "responses": {
+                "200": {"description": "The answer: a JSON object, or server-sent events "
+                                       "with \"stream\": true."},
+                "400": {"description": "The request is invalid; the error names the field."},
+            }}}
+    return {"openapi": "3.1.0", "info": {"title": "slotserve", "version": "v1"},
+            "paths": paths, "components": {"schemas": defs.get("$defs", {})}}

@@ -43,9 +43,11 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = [
+    "KNOB_RANGES",
     "MAX_TOP_LOGPROBS",
     "MIN_TEMPERATURE",
     "REPETITION_PENALTY_RANGE",
+    "KnobRange",
     "RowState",
     "SampleDraft",
     "SampleResult",
@@ -70,6 +72,40 @@ _F32_TINY = float(np.finfo(np.float32).tiny)
 # Logits are divided or multiplied by at most 100: |z| grows at most 100-fold, so penalised
 # logits stay finite (and their differences too) for any logits a model produces.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+@dataclass(frozen=True)
+class KnobRange:
+    """Where a float knob keeps every sampler step finite: within [lo, hi] (or (lo, hi]) both
+    as a float and after the cast to float32, and either 0 or at least `floor`, below which
+    float32 loses it (1 / temperature overflows; a subnormal top_p is 0 on a GPU)."""
+
+    lo: float
+    hi: float
+    open_lo: bool = False
+    floor: float = 0.0
+
+    def contains(self, value: float) -> bool:
+        """Whether the sampler can use `value` (a finite float; NaN is never contained)."""
+        with np.errstate(over="ignore", under="ignore"):
+            f32, lo32, hi32 = (np.float32(v) for v in (value, self.lo, self.hi))
+        inside = (self.lo < value if self.open_lo else self.lo <= value) and value <= self.hi
+        inside32 = (lo32 < f32 if self.open_lo else lo32 <= f32) and f32 <= hi32
+        return bool(inside and inside32) and (value == 0 or abs(value) >= self.floor)
+
+    def __str__(self) -> str:
+        return f"{'(' if self.open_lo else '['}{self.lo:g}, {self.hi:g}]"
+
+
+# OpenAI's ranges (and vLLM's for min_p / repetition_penalty), as the float32 sampler needs them.
+KNOB_RANGES: Mapping[str, KnobRange] = MappingProxyType({
+    "temperature": KnobRange(0.0, 2.0, floor=MIN_TEMPERATURE),
+    "top_p": KnobRange(0.0, 1.0, open_lo=True, floor=_F32_TINY),  # GPUs flush subnormals to 0
+    "min_p": KnobRange(0.0, 1.0),
+    "repetition_penalty": KnobRange(*REPETITION_PENALTY_RANGE),
+    "frequency_penalty": KnobRange(-2.0, 2.0),
+    "presence_penalty": KnobRange(-2.0, 2.0),
+})
 
 
 @dataclass(frozen=True)
@@ -107,72 +143,46 @@ class SamplingParams:
         )
 
     def validate(self, vocab_size: int) -> None:
-        """Reject bad requests up front with a message a client can act on.
+        """Refuse knobs the sampler cannot compute with (ValueError; `Engine.make_request`).
 
-        Every knob is checked as the sampler uses it, in float32: a value that rounds to 0 or
-        overflows there (top_p 1e-50, repetition_penalty 1e-50 or 1e308) is refused, and the
-        ranges keep every step finite for finite logits (no NaN can reach a token or logprob).
+        These are the sampler's invariants, not the API's messages: each float knob inside
+        its `KNOB_RANGES` entry as a float and after the cast to float32 (so no step can turn
+        finite logits into NaN), top_k a count, logit_bias keyed by token ids of the
+        vocabulary with finite values, the seed an integer. HTTP requests are checked against
+        the same table by the API models first, with errors that name the field
+        (`slotserve.api.schemas`); this guards the in-process callers.
         """
-
-        def number(name: str, value: object) -> float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            try:
-                out = float(value)
-            except OverflowError:  # an int beyond any float
-                out = math.inf
-            if not math.isfinite(out):
-                raise ValueError(f"{name} must be finite, got {short_repr(value)}")
-            return out
-
-        def within(name: str, lo: float, hi: float, *, open_lo: bool = False) -> float:
-            value = number(name, getattr(self, name))
-            with np.errstate(over="ignore", under="ignore"):
-                f32, lo32, hi32 = (np.float32(v) for v in (value, lo, hi))
-            ok = (lo < value if open_lo else lo <= value) and value <= hi
-            ok32 = (lo32 < f32 if open_lo else lo32 <= f32) and f32 <= hi32
-            if not (ok and ok32):
-                bounds = f"({lo:g}, {hi:g}]" if open_lo else f"[{lo:g}, {hi:g}]"
-                cast = f" ({float(f32):g} in float32)" if ok else ""
-                raise ValueError(f"{name} must be in {bounds}, got {short_repr(value)}{cast}")
-            return value
-
-        temperature = within("temperature", 0.0, 2.0)
-        if 0.0 < temperature < MIN_TEMPERATURE:  # 1 / temperature would overflow float32
-            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 2], "
-                             f"got {temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables), got "
-                             f"{short_repr(self.top_k)}")
-        if within("top_p", 0.0, 1.0, open_lo=True) < _F32_TINY:  # GPUs flush subnormals to 0
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (below float32's "
-                             f"smallest normal number)")
-        within("min_p", 0.0, 1.0)
-        within("repetition_penalty", *REPETITION_PENALTY_RANGE)
-        within("frequency_penalty", -2.0, 2.0)
-        within("presence_penalty", -2.0, 2.0)
+        for name, limits in KNOB_RANGES.items():
+            value = _as_float(getattr(self, name))
+            if value is None or not limits.contains(value):
+                got = f", got {value:g}" if value is not None and math.isfinite(value) else ""
+                raise ValueError(f"{name} must be a finite number in {limits}{got}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError("top_k must be an integer >= 0 (0 disables)")
         for token, bias in (self.logit_bias or {}).items():
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise ValueError(f"logit_bias keys must be integer token ids, got "
-                                 f"{short_repr(token)}")
+            if not _is_int(token):
+                raise ValueError("logit_bias keys must be integer token ids")
             if not 0 <= token < vocab_size:
-                raise ValueError(
-                    f"logit_bias token id {short_repr(token)} is out of range [0, {vocab_size})"
-                )
-            number(f"logit_bias[{token}]", bias)  # clamped to [-100, 100] when applied
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer, got {short_repr(self.seed)}")
+                raise ValueError(f"logit_bias token id {token} is out of range [0, {vocab_size})")
+            value = _as_float(bias)  # clamped to [-100, 100] when applied
+            if value is None or not math.isfinite(value):
+                raise ValueError(f"logit_bias[{token}] must be a finite number")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError("seed must be an integer")
 
 
-def short_repr(value: object) -> str:
-    """A value for an error message: its repr, cut to ~40 characters (never the whole of a
-    huge input, and never an exception for an int past Python's digit limit)."""
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_float(value: object) -> float | None:
+    """A real number as a float (inf past float's range); None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
     try:
-        text = repr(value)
-    except ValueError:  # an int past Python's 4,300-digit str limit
-        return "an integer of over 4300 digits"
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+        return float(value)
+    except OverflowError:  # an int beyond any float
+        return math.inf
 
 
 class RowState:
