@@ -8,14 +8,30 @@ from slotserve.actors.batcher import Batcher
 
 
 @dataclass
+class Row:
+    tokens: list[int]
+
+
+@dataclass
 class Waiting:
-    id: int
+    """The parts of a slot's offer (messages.Ready) the prefill share reads."""
+
+    slot_id: int
     arrived_at: float
     pending: list[int] = field(default_factory=list)
 
+    @property
+    def id(self) -> int:
+        return self.slot_id
+
+    @property
+    def work(self) -> Row:
+        return Row(self.pending)
+
 
 def _share(slots: list[Waiting], budget: int) -> dict[int, int]:
-    return {s.id: take for s, take in Batcher._share_prefill(slots, budget)}  # type: ignore[arg-type]
+    return {s.slot_id: take
+            for s, take in Batcher._share_prefill(slots, budget)}  # type: ignore[arg-type]
 
 
 def test_short_prompt_is_not_held_behind_a_long_one() -> None:
