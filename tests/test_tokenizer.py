@@ -11,7 +11,11 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+import vocabularies
 from structlog.testing import capture_logs
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+from vocabularies import BYTES, CHARS, PIECES, SPECIAL, spm_meta
 
 from slotserve.model.chat_template import DEFAULT_CHATML_TEMPLATE, ChatTemplate, TemplateError
 from slotserve.model.detokenizer import IncrementalDetokenizer, StopMatcher
@@ -164,7 +168,126 @@ def test_detokenizer_never_breaks_characters(tok: Tokenizer) -> None:
 def test_detokenizer_skip_special(tok: Tokenizer) -> None:
     ids = tok.encode("<|im_start|>assistant\nOK<|im_end|>", parse_special=True)
     detok = IncrementalDetokenizer(tok, skip_special=True)
-    assert detok.add_many(ids) + detok.flush() == "assistant\nOK"
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == "assistant\nOK"
+
+
+# The library's streaming decoder, on the same tokens: the same text, except where the
+# IncrementalDetokenizer docstring says (the three tests after this one show each case).
+STREAM_VOCABS = ["smollm2", "spm", "spm-prefix", *vocabularies.llama_cpp_vocabs()]
+STREAM_ALPHABET = "ab cé😀日本 語\n\t–👨‍👩‍👧 한국어ü½{}\"'"
+
+
+def _stream_cases(t: Tokenizer, rng: random.Random) -> list[list[int]]:
+    """Token sequences: texts with characters split over tokens (emoji, CJK, ZWJ sequences;
+    byte fallback on SentencePiece), cut at random (a stream may start or end mid-character),
+    special tokens mixed in, and long runs of random ids."""
+    hf = HFTokenizer.from_str(t.to_hf_tokenizer_json())
+    plain_added = {i for i, a in hf.get_added_tokens_decoder().items() if not a.special}
+    pool = [i for i in range(t.vocab_size) if i not in plain_added]
+    specials = sorted(t.special_ids)
+    texts = TRICKY + ["".join(rng.choice(STREAM_ALPHABET) for _ in range(rng.randint(1, 60)))
+                      for _ in range(120)]
+    cases = []
+    for text in texts:
+        ids = [i for i in t.encode(text, add_special=False) if i not in plain_added]
+        cases.append(ids)
+        if len(ids) > 2:
+            a = rng.randrange(len(ids))
+            cases.append(ids[a:rng.randint(a + 1, len(ids))])
+            mixed = list(ids)
+            mixed.insert(rng.randrange(len(mixed) + 1), rng.choice(specials))
+            cases.append(mixed)
+    cases += [[rng.choice(pool) for _ in range(rng.randint(1, 200))] for _ in range(150)]
+    return cases
+
+
+@pytest.mark.parametrize("name", STREAM_VOCABS)
+def test_detokenizer_text_matches_decode_stream(name: str) -> None:
+    t = vocabularies.by_name(name)
+    hf = HFTokenizer.from_str(t.to_hf_tokenizer_json())
+    decoder = json.dumps(json.loads(hf.to_str())["decoder"])
+    strips = "Strip" in decoder  # SentencePiece with a "▁" prefix: one leading space goes
+    byte_fallback = "ByteFallback" in decoder
+    rng = random.Random(0)
+    for ids in _stream_cases(t, rng):
+        for skip in (True, False):
+            data = b"".join(t.token_bytes(i) for i in ids if not (skip and i in t.special_ids))
+            if byte_fallback and _is_partial_utf8(data):
+                continue  # test_decode_stream_byte_fallback_replaces_a_whole_run
+            ours, lib = IncrementalDetokenizer(t, skip_special=skip), DecodeStream([], skip)
+            ours_so_far, lib_so_far, lead = "", "", ""
+            full = hf.decode(ids, skip_special_tokens=skip)
+            for i in ids:
+                ours_so_far += ours.add(i)
+                lib_so_far += lib.step(hf, i) or ""
+                # ours is never behind: the library's text is always a prefix of ours (less
+                # the one leading space SentencePiece's decoder strips at the start)
+                lead = " " if strips and ours_so_far[:1] == " " else ""
+                assert ours_so_far[len(lead):].startswith(lib_so_far), (ids, skip)
+            ours_text = ours_so_far + ours.flush()
+            # the whole stream is the byte-exact decode (SentencePiece: the leading space kept)
+            assert ours_text == lead + full, (ids, skip)
+            # what the library never emits: text still held at the end, which ends in U+FFFD
+            rest = ours_text[len(lead) + len(lib_so_far):]
+            assert rest == "" or rest.endswith("\ufffd"), (ids, skip, rest)
+
+
+def test_decode_stream_byte_fallback_replaces_a_whole_run() -> None:
+    """Byte-fallback tokens that are not valid UTF-8 as a run (a stray byte, or a character
+    cut at the end of the stream): here only the invalid bytes become U+FFFD and the characters
+    beside them stay (Python's "replace", as HF does for byte-level BPE); HF's ByteFallback
+    decoder makes every byte of such a run U+FFFD, and DecodeStream waits while its text ends
+    in U+FFFD."""
+    t = vocabularies.spm(False)
+    hf = HFTokenizer.from_str(t.to_hf_tokenizer_json())
+    ids = [t.token_to_id("<0x80>"), *t.encode("한", add_special=False)]  # a stray byte, then 3
+    assert len(ids) == 4
+    ours, lib = IncrementalDetokenizer(t), DecodeStream([], False)
+    assert "".join(ours.add(i) for i in ids) + ours.flush() == "\ufffd한"
+    assert "".join(lib.step(hf, i) or "" for i in ids) == ""
+    assert t.decode(ids) == "\ufffd" * 4
+    cut = [*t.encode("한", add_special=False), t.token_to_id("<0xED>")]  # a character, a stray
+    ours = IncrementalDetokenizer(t)
+    assert "".join(ours.add(i) for i in cut) + ours.flush() == "한\ufffd"
+    assert t.decode(cut) == "\ufffd" * 4
+
+
+def test_decode_stream_holds_a_token_that_ends_mid_character(tok: Tokenizer) -> None:
+    """A token of a space and the first two bytes of a three-byte character (CJK) shows its
+    space at once here; DecodeStream shows nothing until the character is complete, so a stop
+    string ending in that space would be found one token later."""
+    hf = HFTokenizer.from_str(tok.to_hf_tokenizer_json())
+
+    def space_then_two_of_three(b: bytes) -> bool:
+        return len(b) == 3 and b[0] == 0x20 and 0xE0 <= b[1] < 0xF0 and 0x80 <= b[2] < 0xC0
+
+    token = next(i for i in range(tok.vocab_size) if space_then_two_of_three(tok.token_bytes(i)))
+    ours, lib = IncrementalDetokenizer(tok), DecodeStream([], False)
+    shown = ours.add(token)
+    assert shown == " " and lib.step(hf, token) is None
+    assert _run_stops([" "], [shown])[:2] == ("", True)
+
+
+def test_decode_stream_has_no_end_of_stream(tok: Tokenizer) -> None:
+    """A stream that ends mid-character ends with U+FFFD here (as the batch decode does); a
+    DecodeStream keeps it forever, having no flush."""
+    hf = HFTokenizer.from_str(tok.to_hf_tokenizer_json())
+    partial = next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\xf0\x9f")
+    seq = [*tok.encode("ok"), partial]  # "ok", then the first half of an emoji
+    ours, lib = IncrementalDetokenizer(tok), DecodeStream([], False)
+    assert "".join(ours.add(i) for i in seq) == "".join(lib.step(hf, i) or "" for i in seq) == "ok"
+    assert ours.flush() == "\ufffd" and tok.decode(seq) == "ok\ufffd"
+
+
+def test_decode_stream_strips_the_sentencepiece_space() -> None:
+    """SentencePiece with a "▁" prefix: the first token's space is real text mid-conversation,
+    and kept here; DecodeStream drops it, as a batch decode of the whole text does."""
+    t = vocabularies.spm(True)
+    hf = HFTokenizer.from_str(t.to_hf_tokenizer_json())
+    ids = t.encode("hello world", add_special=False)
+    ours, lib = IncrementalDetokenizer(t), DecodeStream([], False)
+    assert "".join(ours.add(i) for i in ids) + ours.flush() == " hello world"
+    assert "".join(lib.step(hf, i) or "" for i in ids) == "hello world" == t.decode(ids)
 
 
 def _is_partial_utf8(b: bytes) -> bool:
@@ -252,31 +375,6 @@ def test_transformers_reads_export(tok: Tokenizer, hf_dir: Path) -> None:
 
 # --- SentencePiece-style ("llama") GGUF vocab --------------------------------------------------
 
-PIECES = ["▁t", "he", "▁the", "in", "▁a", "er", "ll", "▁w", "or", "ld", "▁wor", "▁world",
-          "▁he", "▁hell", "▁hello", "▁in", "ing", "▁th", "▁thing", "▁wh", "at", "▁what", "▁l",
-          "ow", "▁low"]
-CHARS = list("▁abcdefghijklmnopqrstuvwxyz")
-SPECIAL = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>", "▁▁"]
-BYTES = [f"<0x{b:02X}>" for b in range(256)]
-
-
-def _spm_meta(add_space_prefix: bool) -> dict[str, Any]:
-    n = len(PIECES) + len(CHARS)
-    return {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": SPECIAL + BYTES + PIECES + CHARS,
-        "tokenizer.ggml.token_type": mx.array([2, 3, 3, 3, 3, 4] + [6] * 256 + [1] * n),
-        "tokenizer.ggml.scores": mx.array([0.0] * (len(SPECIAL) + 256)
-                                          + [-float(i) for i in range(len(PIECES))]
-                                          + [-100.0 - i for i in range(len(CHARS))]),
-        "tokenizer.ggml.bos_token_id": mx.array(1),
-        "tokenizer.ggml.eos_token_id": mx.array(2),
-        "tokenizer.ggml.unknown_token_id": mx.array(0),
-        "tokenizer.ggml.add_bos_token": mx.array(True),
-        "tokenizer.ggml.add_space_prefix": mx.array(add_space_prefix),
-    }
-
-
 def _reference_spm(text: str, add_space_prefix: bool) -> list[int]:
     """SentencePiece BPE by definition: merge the adjacent pair with the best-scoring result."""
     tokens = SPECIAL + BYTES + PIECES + CHARS
@@ -298,7 +396,7 @@ def _reference_spm(text: str, add_space_prefix: bool) -> list[int]:
 
 @pytest.mark.parametrize("add_space_prefix", [False, True])
 def test_sentencepiece_vocab_matches_reference(add_space_prefix: bool) -> None:
-    t = Tokenizer.from_gguf_metadata(_spm_meta(add_space_prefix), "synthetic.gguf")
+    t = Tokenizer.from_gguf_metadata(spm_meta(add_space_prefix), "synthetic.gguf")
     rng = random.Random(0)
     texts = ["hello world", "the thing", "what a low tower", "in the winter", "héllo 😀 x"]
     texts += ["".join(rng.choice("thelowrdingaé ") for _ in range(rng.randint(1, 30)))
@@ -316,7 +414,7 @@ def test_sentencepiece_vocab_matches_reference(add_space_prefix: bool) -> None:
 
 
 def test_sentencepiece_specials_and_user_defined() -> None:
-    t = Tokenizer.from_gguf_metadata(_spm_meta(False), "synthetic.gguf")
+    t = Tokenizer.from_gguf_metadata(spm_meta(False), "synthetic.gguf")
     ids = t.encode("<start_of_turn>user\nhello  world<end_of_turn>", parse_special=True)
     assert ids[:2] == [1, 3] and ids[-1] == 4 and 5 in ids
     assert t.decode(ids) == "<s><start_of_turn>user\nhello  world<end_of_turn>"
@@ -326,14 +424,14 @@ def test_sentencepiece_specials_and_user_defined() -> None:
 
 
 def test_sentencepiece_without_merges_or_scores() -> None:
-    meta = _spm_meta(False)
+    meta = spm_meta(False)
     del meta["tokenizer.ggml.scores"]
     with pytest.raises(UnsupportedModelError, match="synthetic.gguf"):
         Tokenizer.from_gguf_metadata(meta, "synthetic.gguf")
 
 
 def test_sentencepiece_export_loads_as_hf_dir(tmp_path: Path) -> None:
-    t = Tokenizer.from_gguf_metadata(_spm_meta(True), "synthetic.gguf")
+    t = Tokenizer.from_gguf_metadata(spm_meta(True), "synthetic.gguf")
     (tmp_path / "tokenizer.json").write_text(t.to_hf_tokenizer_json(), encoding="utf-8")
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}), encoding="utf-8")
     hf = Tokenizer.from_hf_dir(tmp_path)  # no tokenizer_config: BOS comes from the post-processor
@@ -433,7 +531,7 @@ def test_holes_anywhere_keep_the_ids(tok: Tokenizer, which: str) -> None:
         t = tok
         texts = [ChatTemplate.for_tokenizer(tok).render(NORMAL_CHATS[1][0]), "plain text"]
     else:
-        t = Tokenizer.from_gguf_metadata(_spm_meta(which == "spm-prefix"), "synthetic.gguf")
+        t = Tokenizer.from_gguf_metadata(spm_meta(which == "spm-prefix"), "synthetic.gguf")
         texts = ["hello world<start_of_turn>user\nthe thing  in<end_of_turn>\nwhat a low",
                  "<start_of_turn>user\nthe thing<end_of_turn>\n<start_of_turn>what<end_of_turn> x"]
     rng = random.Random(0)

@@ -24,6 +24,25 @@ class IncrementalDetokenizer:
     The concatenation of all deltas plus ``flush()`` equals the byte-exact decode of the ids.
     (For SentencePiece models with a space prefix, ``Tokenizer.decode`` also strips the one
     leading space; here it is kept, since mid-conversation it is real text.)
+
+    Why not ``tokenizers.decoders.DecodeStream``: on the same ids it gives the same text (the
+    bundled SmolLM2, a SentencePiece vocabulary, and llama.cpp's Llama 2/3, Qwen2, Phi-3 and
+    GPT-2 vocabularies when cached; ``tests/test_tokenizer.py``) except in four cases, each of
+    which changes what a client sees:
+
+    - a token that ends mid-character (a space and the first bytes of a CJK character): its
+      complete characters are shown here at once, while DecodeStream holds the whole token
+      until the character completes, so a stop string would be found a token later (usage
+      and finish would change);
+    - the end of a stream cut mid-character: ``flush`` gives U+FFFD here, DecodeStream has no
+      flush and keeps those bytes;
+    - SentencePiece with a "▁" prefix: DecodeStream strips the first token's space;
+    - byte-fallback tokens that are not valid UTF-8 as a run: only the invalid bytes become
+      U+FFFD here, HF's ByteFallback decoder turns every byte of the run into U+FFFD.
+
+    Added tokens that are not special stream as spelled: a user-defined "▁▁" shows as "▁▁",
+    where HF's decoders (and so DecodeStream) read two spaces. The comparison leaves those out;
+    the real vocabularies above have no such token with a "▁" in it.
     """
 
     def __init__(self, tokenizer: _TokenBytes, skip_special: bool = False) -> None:
@@ -35,9 +54,6 @@ class IncrementalDetokenizer:
         if token_id in self._skip:
             return ""
         return self._decoder.decode(self._tokenizer.token_bytes(token_id))
-
-    def add_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.add(t) for t in token_ids)
 
     def flush(self) -> str:
         """End of stream: any dangling partial character becomes U+FFFD."""
