@@ -122,3 +122,17 @@ def native_attention_invariant(lib: ctypes.CDLL, group: int, kv_heads: int,
         return np.asarray(cpu_attention.attend(lib, q, keys, values, rows, head_dim**-0.5, None))
 
     return row_table_kernel_invariant(run, group, kv_heads, head_dim, mx.float32)
+
+
+def cuda_attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
+    """slotserve's CUDA paged attention (bf16): the same row-table checks."""
+    from slotserve.kernels import cuda
+
+    def run(q: mx.array, keys: mx.array, values: mx.array,
+            rows: cpu_attention.RowTables) -> np.ndarray:
+        out = cuda.paged_attention(q, keys, values, mx.array(rows.tables),
+                                   mx.array(rows.row_table), mx.array(rows.row_pos),
+                                   head_dim**-0.5)
+        return np.asarray(out.astype(mx.float32))
+
+    return row_table_kernel_invariant(run, group, kv_heads, head_dim, mx.bfloat16)

@@ -27,7 +27,6 @@ import mlx.core as mx
 
 from slotserve import settings
 from slotserve.kernels.cuda.attention import (
-    attention_invariant,
     attention_supported,
     paged_attention,
     rope_attention,
@@ -36,7 +35,6 @@ from slotserve.kernels.cuda.glue import rope_write, swiglu
 from slotserve.kernels.cuda.q4 import paired_rows, q4_matmul, q4_pack, q4_supported, rms_rows
 
 __all__ = [
-    "attention_invariant",
     "attention_supported",
     "enabled",
     "paged_attention",

@@ -11,10 +11,8 @@ rows are the same work, so a position's output never depends on how it was batch
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from slotserve.kernels.cuda import launch
 from slotserve.kernels.cuda.glue import rope_write
@@ -85,15 +83,3 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
         output_dtypes=[mx.bfloat16],
     )
     return out
-
-
-def attention_invariant(group: int, kv_heads: int, head_dim: int) -> bool:
-    """Start-up probe for paged_attention (see invariance.row_table_kernel_invariant)."""
-    from slotserve.kernels.invariance import row_table_kernel_invariant
-
-    def run(q: mx.array, keys: mx.array, values: mx.array, rows: Any) -> np.ndarray:
-        out = paged_attention(q, keys, values, mx.array(rows.tables), mx.array(rows.row_table),
-                              mx.array(rows.row_pos), head_dim**-0.5)
-        return np.asarray(out.astype(mx.float32))
-
-    return row_table_kernel_invariant(run, group, kv_heads, head_dim, mx.bfloat16)
