@@ -257,11 +257,11 @@ def test_block_kernel_equals_its_kernels_one_by_one(smol: Any) -> None:
     x = cpu_gemm.aligned_copy(np.random.default_rng(5).standard_normal(
         (n, model.config.hidden_size)).astype(np.float32))
     model.rope.reserve(n)
-    got = block.host(lib, cpu_gemm.aligned_copy(x), Batch.build([(model.new_kv(), 0, n)]),
-                     layer, model.rope)
+    got = block.host(lib, cpu_gemm.aligned_copy(x), Batch.build([(model.new_kv(), 0, n)]))
     batch = Batch.build([(model.new_kv(), 0, n)])
-    a, (n0, n1, _, _), pool, rows = block.attn, block._norms, batch.pool, batch.native
-    y = a.qkv.kernel.host(cpu_gemm.rms_norm_host(lib, x, n0, block.eps))
+    a, nb, pool, rows = block.attn, block.native(), batch.pool, batch.native
+    n0, n1, eps = nb.in_norm, nb.post_norm, nb.eps
+    y = a.qkv.kernel.host(cpu_gemm.rms_norm_host(lib, x, n0, eps))
     tables, stride = model.rope.host_tables(), y.shape[1]
     lib.slot_rope(y.ctypes.data, n, stride, a.heads + a.kv_heads, a.head_dim,
                   tables.cos.ctypes.data, tables.sin.ctypes.data, rows.row_pos.ctypes.data)
@@ -275,6 +275,6 @@ def test_block_kernel_equals_its_kernels_one_by_one(smol: Any) -> None:
     h = a.o.kernel.host(att)
     np.add(h, x, out=h)
     want = cpu_gemm.swiglu_host(lib, block.mlp.gate_up.kernel, block.mlp.down.kernel,
-                                cpu_gemm.rms_norm_host(lib, h, n1, block.eps))
+                                cpu_gemm.rms_norm_host(lib, h, n1, eps))
     np.add(want, h, out=want)
     assert np.array_equal(got, want)

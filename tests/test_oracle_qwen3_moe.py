@@ -17,9 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from slotserve.model.families.qwen3_moe import GROUP_MIN_PAIRS, SparseMoE
 from slotserve.model import layers
-from slotserve.model.layers import Batch
+from slotserve.model.layers import GROUP_MIN_PAIRS, Batch, SparseMoE
 from slotserve.runtime.plain import greedy_tokens
 
 from model_checks import hf_greedy

@@ -1,16 +1,39 @@
-"""Building blocks shared by the model families.
+"""The layers the model families are built of, and the one place that picks how each runs.
 
 Every forward works on a *row batch*: R token rows that may belong to several
 sequences (slots). `Segment` says which consecutive rows belong to which slot
 and at which absolute positions, so projections and MLPs run once over all rows
 (weights read once per step) while attention reads each slot's own KV.
+
+Each layer picks its path once, when it is built, from its weights, the compute dtype and
+the device; a family file only says what its model computes (which weights, which norms,
+which activation, how a block adds up) and gets every path below without a branch:
+
+- `Linear`: the CUDA 4-bit kernel (GPU, bf16, 4-bit weights of a supported shape; it also
+  takes the input's `RMSNorm` and the residual add into its launch), slotserve's CPU
+  kernels (CPU, float32: cpu_gemm for float weights, cpu_qgemm for 4/8-bit ones), or MLX's
+  own matmul (quantized, or dense).
+- `Attention`: the CUDA kernels (RoPE, the K/V write and attention in
+  `cuda.rope_attention`), slotserve's CPU attention kernel, or MLX ops
+  (slotserve.kernels.attention); `attention_backend` decides, for the layer and for the
+  tables `Batch.build` prepares alike.
+- `GatedMLP`: SwiGLU in native memory between the CPU kernels; on the CUDA 4-bit kernel,
+  SwiGLU in the gate+up matmul's own launch (its rows stored in tile pairs, which its own
+  `split` undoes for any other use); the CUDA SwiGLU kernel; or MLX ops.
+- `SparseMoE`: the experts through MLX's `gather_mm`, grouped by expert on the CPU.
+- `PreNormBlock` / `Decoder`: a model whose blocks are all pre-norm blocks of native parts
+  runs each CPU step in native memory, one native/block.c call per block.
 """
 
 from __future__ import annotations
 
+import ctypes
+import enum
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -25,11 +48,38 @@ from slotserve.kernels.attention import (
     span_for,
 )
 from slotserve.kernels.cpu_attention import RopeTables, RowTables
+from slotserve.model.config import ModelConfig
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
 
 LINEAR_ROW_FLOOR = 1  # raised by the start-up invariance probe when BLAS needs it
 
+
+class Backend(enum.Enum):
+    """Where a layer's work runs (chosen once, when the layer is built)."""
+
+    CPU = "slotserve's CPU kernels"
+    CUDA = "slotserve's CUDA kernels"
+    MLX = "MLX ops"
+
+
+def native_attention_for(dtype: mx.Dtype, head_dim: int) -> bool:
+    """The CPU attention kernel runs steps of this model (CPU, float32 KV, supported shape)."""
+    return (dtype == mx.float32 and mx.default_device() == mx.cpu
+            and cpu_attention.supported(head_dim) and native.library() is not None)
+
+
+def attention_backend(dtype: mx.Dtype, head_dim: int) -> Backend:
+    """Which attention runs the steps of a model with this KV dtype and head size: what each
+    `Attention` layer calls and what row tables `Batch.build` prepares for it."""
+    if native_attention_for(dtype, head_dim):
+        return Backend.CPU
+    if cuda.enabled() and cuda.attention_supported(dtype, head_dim):
+        return Backend.CUDA
+    return Backend.MLX
+
+
+# ---- the row batch ----------------------------------------------------------------------
 
 @dataclass
 class Segment:
@@ -81,6 +131,8 @@ class Batch:
     # arrays whose evaluation performs K/V writes made in place (cuda.rope_write): a step
     # that asks for no logits must still evaluate them (see written())
     effects: list[mx.array] = field(default_factory=list)
+    # each RoPE table's cos/sin gathered at the rows' positions, once a step (rope_rows)
+    rope_cache: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
 
     @staticmethod
     def build(parts: list[tuple[SlotKV, int, int]], reserve: bool = True) -> Batch:
@@ -107,11 +159,12 @@ class Batch:
         if segs:
             batch.pool = segs[0].kv.pool
             batch.write_rows = mx.array(write_rows)
-        if batch.pool is not None and native_attention_for(batch.pool.dtype,
-                                                           batch.pool.head_dim):
+        backend = (attention_backend(batch.pool.dtype, batch.pool.head_dim)
+                   if batch.pool is not None else Backend.MLX)
+        if backend is Backend.CPU:
             batch.native = batch._row_tables()
             batch.native.write_rows = write_rows
-        elif batch.pool is not None and cuda_attention_for(batch.pool):
+        elif backend is Backend.CUDA:
             t = batch._row_tables()
             batch.cuda = (mx.array(t.tables), mx.array(t.row_table), mx.array(t.row_pos))
         else:
@@ -161,6 +214,18 @@ class Batch:
         """What a step's forward must evaluate for its K/V to be in the pool."""
         return [*self.pool.arrays(), *self.effects] if self.pool is not None else []
 
+    def rope_rows(self, rope: Rope) -> tuple[mx.array, mx.array]:
+        """rope's cos and sin at every row's position, [R, 1, head_dim] (gathered once a step
+        however many layers rotate by them)."""
+        if id(rope) not in self.rope_cache:
+            self.rope_cache[id(rope)] = rope.tables(self.positions, self.max_pos)
+        return self.rope_cache[id(rope)]
+
+    @cached_property
+    def max_pos(self) -> int:
+        """One past the last position any row of the step has."""
+        return max(s.start + s.length for s in self.segments)
+
     @property
     def rows(self) -> int:
         return sum(s.length for s in self.segments)
@@ -180,14 +245,99 @@ class Batch:
         return tokens if extra == 0 else mx.concatenate([tokens, mx.zeros((extra,), tokens.dtype)])
 
 
-class Linear:
+def pad_rows(x: mx.array) -> mx.array:
+    """Pad the row batch so every matmul sees at least LINEAR_ROW_FLOOR rows."""
+    r = x.shape[0]
+    if r >= LINEAR_ROW_FLOOR:
+        return x
+    return mx.concatenate([x, mx.zeros((LINEAR_ROW_FLOOR - r, *x.shape[1:]), dtype=x.dtype)])
+
+
+def plus(y: mx.array, residual: mx.array | None) -> mx.array:
+    """y + residual, or y alone when there is none (a block's residual stream)."""
+    return y if residual is None else y + residual
+
+
+# ---- what a model is made of --------------------------------------------------------------
+
+class Layer:
+    """A piece of a model. `parts` names the layers it is made of, so whatever walks a model
+    (the start-up probe's `linears`, the loader's `arrays`) follows declared structure."""
+
+    def parts(self) -> list[Layer]:
+        return []
+
+    def arrays(self) -> list[mx.array]:
+        """Every MLX array the layer holds (the loader evaluates them at load)."""
+        return [a for part in self.parts() for a in part.arrays()]
+
+    def linears(self) -> list[Linear]:
+        """The layer's matmuls, in model order (each Linear once)."""
+        return [lin for part in self.parts() for lin in part.linears()]
+
+
+class Norm(Protocol):
+    """A norm over the last axis (RMSNorm, or a family's own such as Gemma's)."""
+
+    def __call__(self, x: mx.array) -> mx.array: ...
+
+    def arrays(self) -> list[mx.array]: ...
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+@dataclass(frozen=True)
+class RMSNorm(Layer):
+    """An RMS norm handed to the layer that consumes its output (Linear, the MLP,
+    Attention): on the GPU the 4-bit matmul normalizes its own input rows
+    (cuda.q4_matmul(norm=...)) and the CPU block kernel its own; elsewhere it is rms_norm
+    first. Any other norm (`Norm`) is applied first everywhere."""
+
+    weight: mx.array
+    eps: float
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.weight]
+
+
+def normed(x: mx.array, norm: Norm | None) -> mx.array:
+    """norm(x), or x when there is no norm (layers that take an optional norm)."""
+    return x if norm is None else norm(x)
+
+
+def kernel_norm(x: mx.array, norm: Norm | None) -> tuple[mx.array, tuple[mx.array, float] | None]:
+    """(x, the (weight, eps) pair cuda.q4_matmul(norm=...) applies) for an RMSNorm; (norm(x),
+    None) for any other norm, which the kernel does not compute."""
+    if isinstance(norm, RMSNorm):
+        return x, (norm.weight, norm.eps)
+    return normed(x, norm), None
+
+
+# ---- matmuls ----------------------------------------------------------------------------
+
+_EXACT = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _use_cpu_kernel(compute_dtype: mx.Dtype, keep_quantized: bool) -> bool:
+    """The CPU compute policy (float32, weights not kept quantized) on the CPU device."""
+    return (compute_dtype == mx.float32 and not keep_quantized
+            and mx.default_device() == mx.cpu)
+
+
+class Linear(Layer):
     """y = x W^T, with W kept dense or affine-quantized.
 
     CPU: dense W in the narrowest float type that holds its values exactly (dequantized
     GGUF weights are exact in float16) through slotserve's own kernel
-    (slotserve.kernels.cpu_gemm), or in float32 through MLX/OpenBLAS when that kernel
-    is unavailable. GPU: quantized tensors stay quantized; 4-bit ones run through
-    slotserve's batch-invariant CUDA kernel (slotserve.kernels.cuda) when it applies.
+    (slotserve.kernels.cpu_gemm), 4/8-bit W through cpu_qgemm, or W in float32 through
+    MLX/OpenBLAS when those kernels are unavailable. GPU: quantized tensors stay quantized;
+    4-bit ones run through slotserve's batch-invariant CUDA kernel (slotserve.kernels.cuda)
+    when it applies, the rest through MLX's matmuls.
     """
 
     def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool,
@@ -226,6 +376,12 @@ class Linear:
             self.q4 = cuda.q4_pack(q.weight, q.scales, q.biases)
             mx.eval(self.q4)
 
+    def take_rows(self, order: mx.array) -> None:
+        """Store the output rows in another order (a quantized weight kept for the GPU,
+        before it is packed): output column i is then row order[i]'s."""
+        assert self.q is not None and self.q4 is None, "reorder kept weights before packing"
+        self.q = self.q.take_rows(order)
+
     @staticmethod
     def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool,
               pack: bool = True) -> Linear:
@@ -260,11 +416,12 @@ class Linear:
         return Linear(mx.concatenate(dense), compute_dtype, False, pack)
 
     def __call__(self, x: mx.array, residual: mx.array | None = None,
-                 norm: RMSNorm | None = None) -> mx.array:
+                 norm: Norm | None = None) -> mx.array:
         """norm(x) W^T (x W^T without a norm), plus `residual` when given; the CUDA 4-bit
-        kernel does the norm and the add in its own launch where it can."""
+        kernel does an RMS norm and the add in its own launch."""
         if self.q4 is not None:
-            return cuda.q4_matmul(x, *self.q4, residual=residual, norm=kernel_norm(norm))
+            x, fused_norm = kernel_norm(x, norm)
+            return cuda.q4_matmul(x, *self.q4, residual=residual, norm=fused_norm)
         x = normed(x, norm)
         if self.kernel is not None:
             y = self.kernel(x)
@@ -279,22 +436,21 @@ class Linear:
             y = x @ self.w.T
         return plus(y, residual)
 
+    def arrays(self) -> list[mx.array]:
+        out = [] if self.w is None else [self.w]
+        if self.q is not None:
+            out += [self.q.weight, self.q.scales, self.q.biases]
+        if self.q4 is not None:
+            out += list(self.q4)
+        if isinstance(self.kernel, cpu_gemm.Matrix):
+            out.append(self.kernel.w)  # float weights padded for the kernel
+        return out
 
-_EXACT = (mx.float32, mx.float16, mx.bfloat16)
+    def linears(self) -> list[Linear]:
+        return [self]
 
 
-def plus(y: mx.array, residual: mx.array | None) -> mx.array:
-    """y + residual, or y alone when there is none (a block's residual stream)."""
-    return y if residual is None else y + residual
-
-
-def _use_cpu_kernel(compute_dtype: mx.Dtype, keep_quantized: bool) -> bool:
-    """The CPU compute policy (float32, weights not kept quantized) on the CPU device."""
-    return (compute_dtype == mx.float32 and not keep_quantized
-            and mx.default_device() == mx.cpu)
-
-
-class Embedding:
+class Embedding(Layer):
     """Token embedding table; doubles as the tied lm_head."""
 
     def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool) -> None:
@@ -321,6 +477,17 @@ class Embedding:
         self.linear.pack_for_gpu()
         return self.linear
 
+    def arrays(self) -> list[mx.array]:
+        codes = self.codes
+        return self.linear.arrays() + ([] if codes is None
+                                       else [codes.weight, codes.scales, codes.biases])
+
+    def linears(self) -> list[Linear]:
+        """None: a lookup reads only the step's rows (a tied lm_head is the model's own)."""
+        return []
+
+
+# ---- RoPE -------------------------------------------------------------------------------
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> mx.array:
     """Inverse frequencies, with Llama-3 and linear scaling as HF defines them."""
@@ -342,7 +509,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return mx.where(is_mid, mid, out)
 
 
-class Rope:
+class Rope(Layer):
     """Rotate-half RoPE from a cos/sin table gathered by each row's absolute position.
 
     A table lookup (instead of a kernel with a scalar offset) lets every row of a
@@ -390,84 +557,510 @@ class Rope:
         rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
         return x * cos + rotated * sin
 
+    def arrays(self) -> list[mx.array]:
+        return [self.inv_freq, self.cos, self.sin]
 
-def attend(q: mx.array, k: mx.array, v: mx.array, batch: Batch, layer: int, scale: float,
-           window: int | None = None) -> mx.array:
-    """Write every row's new K/V into the pool, then attend; q/k/v: [R, heads, D].
 
-    All decode rows of one key span go through one batched dispatch; each prefill
-    chunk attends over its own slot's positions.
-    """
-    pool = batch.pool
-    assert pool is not None and batch.write_rows is not None
-    n = batch.rows
-    pool.keys[layer][batch.write_rows] = k[:n] if k.shape[0] > n else k
-    pool.values[layer][batch.write_rows] = v[:n] if v.shape[0] > n else v
-    if batch.cuda is not None:
-        return cuda.paged_attention(q, pool.keys[layer], pool.values[layer], *batch.cuda,
-                                    scale, window)
-    if batch.native is not None:
+# ---- attention --------------------------------------------------------------------------
+
+class Attention(Layer):
+    """Self-attention of one layer over a row batch: a fused QKV projection, optionally a
+    norm of each q and k head, rotate-half RoPE, the K/V write into the pool, each row
+    against its own slot's keys (causal; within `window` positions when given), and the
+    output projection."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dtype: mx.Dtype,
+                 keep_quantized: bool, *, layer: int, heads: int, kv_heads: int,
+                 head_dim: int, scale: float, rope: Rope, q_norm: Norm | None = None,
+                 k_norm: Norm | None = None, window: int | None = None) -> None:
+        assert (q_norm is None) == (k_norm is None), "q and k heads are normed alike"
+        self.qkv = Linear.fused([q, k, v], dtype, keep_quantized)
+        self.o = Linear(o, dtype, keep_quantized)
+        self.layer, self.heads, self.kv_heads, self.head_dim = layer, heads, kv_heads, head_dim
+        self.scale, self.rope, self.window = scale, rope, window
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.backend = attention_backend(dtype, head_dim)
+        self._attend = {Backend.CUDA: self._cuda_kernels, Backend.CPU: self._cpu_kernel,
+                        Backend.MLX: self._mlx_ops}[self.backend]
+
+    def __call__(self, x: mx.array, batch: Batch, residual: mx.array | None = None,
+                 norm: Norm | None = None) -> mx.array:
+        """The attention output for norm(x) (x when no norm is given), plus `residual` when
+        given (the block's residual stream: the CUDA 4-bit kernel normalizes in the QKV
+        projection's launch and adds it in the output projection's)."""
+        return self.o(self._attend(self.qkv(x, norm=norm), batch), residual)
+
+    def parts(self) -> list[Layer]:
+        norms = [] if self.q_norm is None else [self.q_norm, self.k_norm]
+        return [self.qkv, self.o, *norms]  # type: ignore[list-item]
+
+    def _split(self, qkv: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        r, d = qkv.shape[0], self.head_dim
+        nq, nk = self.heads * d, self.kv_heads * d
+        q = qkv[:, :nq].reshape(r, self.heads, d)
+        k = qkv[:, nq : nq + nk].reshape(r, self.kv_heads, d)
+        v = qkv[:, nq + nk :].reshape(r, self.kv_heads, d)
+        return q, k, v
+
+    def _cuda_kernels(self, qkv: mx.array, batch: Batch) -> mx.array:
+        """RoPE, the K/V write into the pool and attention from the fused QKV rows
+        (cuda.rope_attention: one launch on decode steps)."""
+        pool = batch.pool
+        assert pool is not None and batch.write_rows is not None and batch.cuda is not None
+        if self.q_norm is not None:  # the heads normed in place of the rows the kernel reads
+            q, k, _ = self._split(qkv)
+            r, nkv = qkv.shape[0], (self.heads + self.kv_heads) * self.head_dim
+            assert self.k_norm is not None
+            qkv = mx.concatenate([self.q_norm(q).reshape(r, -1), self.k_norm(k).reshape(r, -1),
+                                  qkv[:, nkv:]], axis=1)
+        self.rope.reserve(batch.max_pos)
+        out = cuda.rope_attention(qkv, self.rope.cos, self.rope.sin, batch.write_rows,
+                                  pool.keys[self.layer], pool.values[self.layer], *batch.cuda,
+                                  self.scale, self.heads, self.kv_heads, self.head_dim,
+                                  batch.one_row_per_slot, self.window)
+        batch.effects.append(out)  # its K/V writes must run even if no logits are asked
+        return out
+
+    def _rotated(self, qkv: mx.array, batch: Batch) -> tuple[mx.array, mx.array, mx.array]:
+        """q and k (each head normed first when the family norms them) rotated by their rows'
+        positions, and v; each [R, heads, head_dim]. Then K/V are written into the pool."""
+        q, k, v = self._split(qkv)
+        if self.q_norm is not None:
+            assert self.k_norm is not None
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = batch.rope_rows(self.rope)
+        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        pool = batch.pool
+        assert pool is not None and batch.write_rows is not None
+        n = batch.rows
+        pool.keys[self.layer][batch.write_rows] = k[:n] if k.shape[0] > n else k
+        pool.values[self.layer][batch.write_rows] = v[:n] if v.shape[0] > n else v
+        return q, k, v
+
+    def _cpu_kernel(self, qkv: mx.array, batch: Batch) -> mx.array:
+        """slotserve's CPU attention kernel, reading each slot's K/V in place in the pool."""
+        q, _, _ = self._rotated(qkv, batch)
+        pool, lib = batch.pool, native.library()
+        assert pool is not None and lib is not None and batch.native is not None
+        out = cpu_attention.attend(lib, q, pool.keys[self.layer], pool.values[self.layer],
+                                   batch.native, self.scale, self.window)
+        return out.reshape(out.shape[0], -1)
+
+    def _mlx_ops(self, qkv: mx.array, batch: Batch) -> mx.array:
+        """MLX ops (slotserve.kernels.attention): all decode rows of one key span in one
+        batched dispatch, each prefill chunk over its own slot's positions."""
+        q, _, _ = self._rotated(qkv, batch)
+        pool = batch.pool
+        assert pool is not None
+        keys, values = pool.key_blocks(self.layer), pool.value_blocks(self.layer)
+        outs = []
+        for group in batch.decode_groups:
+            outs.append(decode_attention(q[group.rows], keys, values, group.blocks,
+                                         group.bias(self.window), self.scale))
+        for seg, blocks in batch.prefill:
+            rows = slice(seg.row, seg.row + seg.length)
+            outs.append(segment_attention(q[rows], keys, values, blocks, seg.attention_plan(),
+                                          self.scale, self.window))
+        extra = q.shape[0] - batch.rows
+        if extra:
+            outs.append(mx.zeros((extra, *q.shape[1:]), dtype=q.dtype))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        out = out if batch.order is None else out[batch.order]
+        return out.reshape(out.shape[0], -1)
+
+
+# ---- MLPs -------------------------------------------------------------------------------
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """HF's gelu_pytorch_tanh."""
+    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+Activation = Callable[[mx.array], mx.array]
+
+
+class GatedMLP(Layer):
+    """down(act(gate(x)) * up(x)), gate and up as one fused matmul (SwiGLU with silu)."""
+
+    def __init__(self, gate: Tensor, up: Tensor, down: Tensor, act: Activation,
+                 dtype: mx.Dtype, keep_quantized: bool) -> None:
+        self.inter = gate.shape[0]
+        self.act = act
+        self.gate_up = Linear.fused([gate, up], dtype, keep_quantized, pack=False)
+        # on the CUDA 4-bit kernel, silu(gate) * up comes out of the gate+up matmul's own
+        # launch when gate and up rows are stored in 8-row tile pairs (cuda.paired_rows);
+        # `split` undoes the pairing wherever else the product is read
+        self.paired = act is silu and self.inter % 8 == 0 and self.gate_up.packable()
+        if self.paired:
+            self.gate_up.take_rows(cuda.paired_rows(self.inter))
+        self.gate_up.pack_for_gpu()
+        self.down = Linear(down, dtype, keep_quantized)
+        swiglu = act is silu
+        if (swiglu and self.gate_up.kernel is not None and self.down.kernel is not None
+                and self.inter % 16 == 0):
+            self.backend, self._forward = Backend.CPU, self._cpu_kernels
+        elif self.paired:
+            self.backend, self._forward = Backend.CUDA, self._cuda_in_matmul
+        elif swiglu and cuda.enabled():  # the model is built on the device it will run on
+            self.backend, self._forward = Backend.CUDA, self._cuda_kernel
+        else:
+            self.backend, self._forward = Backend.MLX, self._mlx_ops
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None,
+                 norm: Norm | None = None, rows: int | None = None) -> mx.array:
+        """The MLP's output for norm(x) (x when no norm is given), plus `residual` when given
+        (on the CUDA 4-bit kernel an RMS norm runs in the gate+up launch, the add in the down
+        projection's). rows: the real rows (a dense MLP runs the padding rows too)."""
+        return self._forward(x, residual, norm)
+
+    def parts(self) -> list[Layer]:
+        return [self.gate_up, self.down]
+
+    def split(self, gu: mx.array) -> tuple[mx.array, mx.array]:
+        """The gate and up halves of a gate+up product [..., 2 * inter], in the row order this
+        layer stored them (halves, or tile pairs)."""
+        lead, i = gu.shape[:-1], self.inter
+        if not self.paired:
+            return gu[..., :i], gu[..., i:]
+        tiles = gu.reshape(*lead, i // 8, 2, 8)
+        return tiles[..., 0, :].reshape(*lead, i), tiles[..., 1, :].reshape(*lead, i)
+
+    def _cpu_kernels(self, x: mx.array, residual: mx.array | None,
+                     norm: Norm | None) -> mx.array:
+        """gate+up, SwiGLU and down in native memory (cpu_gemm.swiglu_mlp)."""
         lib = native.library()
-        assert lib is not None
-        return cpu_attention.attend(lib, q, pool.keys[layer], pool.values[layer], batch.native,
-                                    scale, window)
-    keys, values = pool.key_blocks(layer), pool.value_blocks(layer)
-    outs = []
-    for group in batch.decode_groups:
-        outs.append(decode_attention(q[group.rows], keys, values, group.blocks,
-                                     group.bias(window), scale))
-    for seg, blocks in batch.prefill:
-        rows = slice(seg.row, seg.row + seg.length)
-        outs.append(segment_attention(q[rows], keys, values, blocks, seg.attention_plan(),
-                                      scale, window))
-    extra = q.shape[0] - n
-    if extra:
-        outs.append(mx.zeros((extra, *q.shape[1:]), dtype=q.dtype))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-    return out if batch.order is None else out[batch.order]
+        assert lib is not None and self.gate_up.kernel is not None
+        assert self.down.kernel is not None
+        return plus(cpu_gemm.swiglu_mlp(lib, self.gate_up.kernel, self.down.kernel,
+                                        normed(x, norm)), residual)
+
+    def _cuda_in_matmul(self, x: mx.array, residual: mx.array | None,
+                        norm: Norm | None) -> mx.array:
+        """SwiGLU in the 4-bit gate+up matmul's launch (paired rows)."""
+        assert self.gate_up.q4 is not None
+        x, fused_norm = kernel_norm(x, norm)
+        return self.down(cuda.q4_matmul(x, *self.gate_up.q4, gate_up=True, norm=fused_norm),
+                         residual)
+
+    def _cuda_kernel(self, x: mx.array, residual: mx.array | None,
+                     norm: Norm | None) -> mx.array:
+        """SwiGLU in one CUDA kernel, no chain of bf16 ops for mx.compile to fuse otherwise."""
+        return self.down(cuda.swiglu(self.gate_up(x, norm=norm)), residual)
+
+    def _mlx_ops(self, x: mx.array, residual: mx.array | None, norm: Norm | None) -> mx.array:
+        g, u = self.split(self.gate_up(x, norm=norm))
+        return self.down(self.act(g) * u, residual)
 
 
-def native_attention_for(dtype: mx.Dtype, head_dim: int) -> bool:
-    """The CPU attention kernel runs steps of this model (CPU, float32 KV, supported shape)."""
-    return (dtype == mx.float32 and mx.default_device() == mx.cpu
-            and cpu_attention.supported(head_dim) and native.library() is not None)
+# From this many (row, expert) pairs, issuing them grouped by expert pays on CPU
+# (measured E=64, k=8, H=1024: 2.4x at 64 rows, 2.5x at 256; about even below 64 pairs).
+GROUP_MIN_PAIRS = 64
 
 
-def cuda_attention_for(pool: KVPool) -> bool:
-    """The CUDA attention kernel runs steps of this model (GPU, bf16 KV, supported shape)."""
-    return cuda.enabled() and cuda.attention_supported(pool.dtype, pool.head_dim)
+class ExpertProj(Layer):
+    """One projection of every expert of a layer, applied to (row, expert) pairs."""
+
+    def __init__(self, weight: Tensor, dtype: mx.Dtype, keep_quantized: bool) -> None:
+        self.q: QuantizedWeight | None = None
+        self.wt: mx.array | None = None
+        if keep_quantized and isinstance(weight, QuantizedWeight):
+            self.q = weight
+        else:
+            dense = (
+                weight.dequantize(dtype) if isinstance(weight, QuantizedWeight)
+                else weight.astype(dtype)
+            )
+            # [E, in, out] kept contiguous so each pair is a plain row-times-matrix product.
+            self.wt = mx.contiguous(dense.swapaxes(1, 2))
+
+    def __call__(self, x: mx.array, experts: mx.array, grouped: bool = False) -> mx.array:
+        """x: [*B, 1, in] with B broadcasting against experts' shape -> [*B', 1, out]."""
+        if self.q is not None:
+            q = self.q
+            return mx.gather_qmm(
+                x, q.weight, q.scales, q.biases, rhs_indices=experts, transpose=True,
+                group_size=q.group_size, bits=q.bits, sorted_indices=grouped,
+            )
+        assert self.wt is not None
+        return mx.gather_mm(x, self.wt, rhs_indices=experts, sorted_indices=grouped)
+
+    def arrays(self) -> list[mx.array]:
+        q = self.q
+        return [q.weight, q.scales, q.biases] if q is not None else [self.wt]  # type: ignore[list-item]
 
 
-def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    return mx.fast.rms_norm(x, weight, eps)
+class SparseMoE(Layer):
+    """A mixture of SwiGLU experts: a softmax router over all experts (float32) keeps the top
+    k per row, optionally renormalized to sum to one; the row's output is the weighted sum
+    of its k experts' outputs.
+
+    Experts run through `gather_mm`: each (row, expert) pair is its own one-row product
+    against that expert's matrix, so all rows go in one call per projection and a row's
+    result never depends on which other rows share the batch.
+    """
+
+    def __init__(self, router: Tensor, gate_up: Tensor, down: Tensor, *, inter: int,
+                 top_k: int, norm_topk: bool, dtype: mx.Dtype, keep_quantized: bool) -> None:
+        """gate_up [E, 2 * inter, H] (gate rows, then up rows), down [E, H, inter]."""
+        self.router = Linear(router, dtype, keep_quantized)
+        self.top_k, self.norm_topk, self.inter = top_k, norm_topk, inter
+        self.gate_up = ExpertProj(gate_up, dtype, keep_quantized)
+        self.down = ExpertProj(down, dtype, keep_quantized)
+        # MLX's CPU gather_mm runs one BLAS call per pair whatever the order, so grouping
+        # pairs by expert changes no bits there; GPU kernels may differ, so CPU only.
+        self.can_group = self.down.wt is not None and mx.default_device() == mx.cpu
+        # GPU expert kernels change path with the row count (CUDA: 1-7 rows give other bits
+        # than 8+), so there padding rows go through the experts too, as through every Linear
+        # (routed to row 0's experts, so they read no other expert's weights).
+        self.skip_padding = mx.default_device() == mx.cpu
+        self.cuda = cuda.enabled()
+
+    def parts(self) -> list[Layer]:
+        return [self.router, self.gate_up, self.down]
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Per row: the k chosen experts [R, k] and their weights [R, k] (x's dtype)."""
+        probs = mx.softmax(self.router(x).astype(mx.float32), axis=-1)
+        n = probs.shape[-1]
+        experts = mx.argpartition(probs, kth=n - self.top_k, axis=-1)[:, n - self.top_k :]
+        weights = mx.take_along_axis(probs, experts, axis=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return experts, weights.astype(x.dtype)
+
+    def swiglu(self, x: mx.array, experts: mx.array, grouped: bool = False) -> mx.array:
+        gu = self.gate_up(x, experts, grouped)
+        if self.cuda:  # one kernel, no chain of bf16 ops for mx.compile to fuse differently
+            h = cuda.swiglu(gu.reshape(-1, 2 * self.inter)).reshape(*gu.shape[:-1], self.inter)
+        else:
+            g, u = gu[..., : self.inter], gu[..., self.inter :]
+            h = g * mx.sigmoid(g) * u
+        return self.down(h, experts, grouped)
+
+    def grouped_swiglu(self, x: mx.array, experts: mx.array) -> mx.array:
+        """The same per-pair products, issued expert by expert so weights stay in cache."""
+        r, k = experts.shape
+        flat = experts.flatten()
+        order = mx.argsort(flat)
+        y = self.swiglu(x[order // k][:, None, :], flat[order], grouped=True)  # [R*k, 1, H]
+        return y[mx.argsort(order)].reshape(r, k, -1)
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None,
+                 norm: Norm | None = None, rows: int | None = None) -> mx.array:
+        """norm(x) [R, H] through the experts, plus `residual` when given; only the first
+        `rows` rows (default all) are real, the rest padding.
+
+        The router sees every row (it is a plain Linear, padded for invariance); the
+        experts, which cost k weight reads per row, skip the padding rows (output 0).
+        """
+        x = normed(x, norm)
+        experts, weights = self.route(x)
+        r = x.shape[0]
+        real = r if rows is None else rows
+        n = real if self.skip_padding else r
+        if n > real:  # GPU: padding rows take row 0's experts
+            pad = mx.broadcast_to(experts[:1], (n - real, experts.shape[1]))
+            experts = mx.concatenate([experts[:real], pad])
+        xs, experts, weights = x[:n], experts[:n], weights[:n]
+        if self.can_group and experts.size >= GROUP_MIN_PAIRS:
+            out = self.grouped_swiglu(xs, experts)
+        else:
+            out = self.swiglu(xs[:, None, None, :], experts)[:, :, 0, :]  # [n, k, H]
+        y = (out * weights[..., None]).sum(axis=1)
+        y = y if n == r else mx.concatenate([y, mx.zeros((r - n, y.shape[1]), y.dtype)])
+        return plus(y, residual)
 
 
-@dataclass(frozen=True)
-class RMSNorm:
-    """An RMS norm handed to the layer that consumes its output (Linear, the MLP,
-    Attention): on the GPU the 4-bit matmul normalizes its own input rows
-    (cuda.q4_matmul(norm=...)), elsewhere it is rms_norm first."""
+FeedForward = GatedMLP | SparseMoE
 
-    weight: mx.array
+
+# ---- blocks and the decoder ---------------------------------------------------------------
+
+@dataclass
+class NativeBlock:
+    """A PreNormBlock as native/block.c takes it: its four matrices and float32 norms."""
+
+    matrices: tuple[cpu_gemm.SlotMatrix, ...]  # QKV, O, gate+up, down
+    in_norm: np.ndarray
+    post_norm: np.ndarray
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
     eps: float
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return rms_norm(x, self.weight, self.eps)
 
+class PreNormBlock(Layer):
+    """The llama-style residual block: h = x + attn(in_norm(x)), then h + mlp(post_norm(h)).
 
-def kernel_norm(norm: RMSNorm | None) -> tuple[mx.array, float] | None:
-    """The (weight, eps) pair cuda.q4_matmul(norm=...) takes, or None."""
-    return None if norm is None else (norm.weight, norm.eps)
+    On the CPU, when every part has a native kernel (`native`), the whole block is one
+    native/block.c call (`host`): the same kernels in the same order, without returning to
+    MLX between them.
+    """
 
+    def __init__(self, attn: Attention, mlp: FeedForward, in_norm: Norm,
+                 post_norm: Norm) -> None:
+        self.attn, self.mlp = attn, mlp
+        self.in_norm, self.post_norm = in_norm, post_norm
 
-def normed(x: mx.array, norm: RMSNorm | None) -> mx.array:
-    """norm(x), or x when there is no norm (layers that take an optional norm)."""
-    return x if norm is None else norm(x)
+    def __call__(self, x: mx.array, batch: Batch) -> mx.array:
+        h = self.attn(x, batch, residual=x, norm=self.in_norm)
+        return self.mlp(h, residual=h, norm=self.post_norm, rows=batch.rows)
 
+    def parts(self) -> list[Layer]:
+        return [self.attn, self.mlp, self.in_norm, self.post_norm]  # type: ignore[list-item]
 
-def pad_rows(x: mx.array) -> mx.array:
-    """Pad the row batch so every matmul sees at least LINEAR_ROW_FLOOR rows."""
-    r = x.shape[0]
-    if r >= LINEAR_ROW_FLOOR:
+    def runs_on_host(self) -> bool:
+        """Every part of this block has a native CPU kernel (`host` can run it)."""
+        return self.native() is not None
+
+    def native(self) -> NativeBlock | None:
+        """The block as block.c takes it (decided once, at the first call: kernels are fixed
+        at load), or None where a part lacks a native kernel."""
+        if self._native is False:
+            self._native = self._native_form()
+        return self._native  # type: ignore[return-value]
+
+    _native: NativeBlock | None | bool = False
+
+    def _native_form(self) -> NativeBlock | None:
+        a, m = self.attn, self.mlp
+        norms = (self.in_norm, self.post_norm, a.q_norm, a.k_norm)
+        rms = [n for n in norms if n is not None]
+        if not (type(self).__call__ is PreNormBlock.__call__ and isinstance(m, GatedMLP)
+                and m.backend is Backend.CPU and a.backend is Backend.CPU and a.window is None
+                and all(isinstance(n, RMSNorm) for n in rms)
+                and len({n.eps for n in rms}) == 1  # type: ignore[union-attr]
+                and (a.q_norm is None or a.head_dim % 16 == 0)):
+            return None
+        in_norm, post_norm = self.in_norm, self.post_norm
+        assert isinstance(in_norm, RMSNorm) and isinstance(post_norm, RMSNorm)
+        if in_norm.weight.shape[0] % 16:
+            return None
+        kernels = (a.qkv.kernel, a.o.kernel, m.gate_up.kernel, m.down.kernel)
+        mats = [k.descriptor() if k is not None else None for k in kernels]
+        if None in mats:
+            return None
+
+        def host(n: Norm | None) -> np.ndarray | None:
+            return None if n is None else cpu_gemm.to_host(
+                n.weight.astype(mx.float32))[0]  # type: ignore[attr-defined]
+
+        return NativeBlock(tuple(mats), host(in_norm), host(post_norm),  # type: ignore[arg-type]
+                           host(a.q_norm), host(a.k_norm), in_norm.eps)
+
+    def host(self, lib: ctypes.CDLL, x: np.ndarray, batch: Batch) -> np.ndarray:
+        """The block on host rows x (updated in place), in one native call (block.c): the
+        residual stream never goes back to MLX."""
+        nb, a = self.native(), self.attn
+        pool, rows = batch.pool, batch.native
+        assert nb is not None and pool is not None and rows is not None
+        assert rows.write_rows is not None
+        k_host, v_host = cpu_attention.pool_host(pool.keys[a.layer], pool.values[a.layer])
+        tables = a.rope.host_tables()
+        qn, kn = nb.q_norm, nb.k_norm
+        rc = lib.slot_llama_block(
+            x.ctypes.data, x.shape[0], x.shape[1], nb.in_norm.ctypes.data,
+            nb.post_norm.ctypes.data, ctypes.c_float(nb.eps),
+            None if qn is None else qn.ctypes.data, None if kn is None else kn.ctypes.data,
+            *(ctypes.addressof(mat) for mat in nb.matrices), a.heads, a.kv_heads, a.head_dim,
+            tables.cos.ctypes.data, tables.sin.ctypes.data, k_host.ctypes.data,
+            v_host.ctypes.data, rows.write_rows.ctypes.data, rows.write_rows.shape[0],
+            rows.tables.ctypes.data, rows.tables.shape[1], rows.row_table.ctypes.data,
+            rows.row_pos.ctypes.data, ctypes.c_float(a.scale * cpu_attention.LOG2E), 0)
+        if rc != 0:
+            raise RuntimeError(f"slot_llama_block failed (code {rc})")
         return x
-    return mx.concatenate([x, mx.zeros((LINEAR_ROW_FLOOR - r, *x.shape[1:]), dtype=x.dtype)])
+
+
+class DecoderBlock(Protocol):
+    """A decoder block: the row batch's hidden states in, the next layer's out."""
+
+    def __call__(self, x: mx.array, batch: Batch) -> mx.array: ...
+
+    def arrays(self) -> list[mx.array]: ...
+
+    def linears(self) -> list[Linear]: ...
+
+
+class Decoder(Layer):
+    """A decoder-only transformer over a row batch: embedding, blocks, final norm, lm_head.
+
+    Each family's Model is one, built from its own blocks. A CPU model whose blocks are all
+    native `PreNormBlock`s runs its steps in native memory (`runs_on_host`): the embedded
+    rows go to the native kernels once and the logits come back once, instead of four
+    hand-overs per layer.
+    """
+
+    kv_pool: KVPool | None = None  # created on the first new_kv()
+
+    def __init__(self, config: ModelConfig, dtype: mx.Dtype, embed: Embedding,
+                 blocks: Sequence[DecoderBlock], norm: Norm, lm_head: Linear,
+                 ropes: list[Rope]) -> None:
+        self.config, self.dtype = config, dtype
+        self.embed, self.norm, self.lm_head = embed, norm, lm_head
+        self.layers = list(blocks)
+        self.ropes = ropes  # the RoPE tables the blocks rotate by (grown as positions do)
+
+    def new_kv(self) -> SlotKV:
+        """A slot's KV, backed by this model's shared page pool."""
+        if self.kv_pool is None:
+            c = self.config
+            self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        return SlotKV(self.kv_pool)
+
+    def parts(self) -> list[Layer]:
+        return [self.embed, *self.layers, self.norm, self.lm_head, *self.ropes]  # type: ignore[list-item]
+
+    def embed_tokens(self, tokens: mx.array) -> mx.array:
+        return self.embed(tokens)
+
+    def __call__(self, tokens: mx.array, batch: Batch, logit_rows: list[int]) -> mx.array | None:
+        """Run R token rows; return float32 logits for the rows in logit_rows (None if empty).
+
+        Rows not in logit_rows still write their K/V into their slots.
+        """
+        if self.runs_on_host():
+            return self.host(tokens, batch, logit_rows)
+        x = self.embed_tokens(batch.pad_tokens(tokens))
+        for layer in self.layers:
+            x = layer(x, batch)
+        if not logit_rows:
+            return None
+        x = x[mx.array(logit_rows, dtype=mx.int32)]
+        return self.lm_head(pad_rows(x), norm=self.norm)[: len(logit_rows)].astype(mx.float32)
+
+    def runs_on_host(self) -> bool:
+        """The whole forward has native CPU kernels (decided once: kernels are fixed at load)."""
+        if self._on_host is None:
+            self._on_host = (all(isinstance(b, PreNormBlock) and b.runs_on_host()
+                                 for b in self.layers)
+                             and isinstance(self.norm, RMSNorm)
+                             and self.lm_head.kernel is not None)
+        return self._on_host
+
+    _on_host: bool | None = None
+
+    def host(self, tokens: mx.array, batch: Batch, logit_rows: list[int]) -> mx.array | None:
+        """The CPU forward in native memory: one hand-over from MLX (the embedded rows) and
+        one back (the logits)."""
+        lib = native.library()
+        assert lib is not None and batch.native is not None
+        for rope in self.ropes:
+            rope.reserve(batch.max_pos)
+        x = cpu_gemm.to_host(self.embed_tokens(batch.pad_tokens(tokens)))
+        for layer in self.layers:
+            x = layer.host(lib, x, batch)  # type: ignore[attr-defined]
+        if not logit_rows:
+            return None
+        norm = self.norm
+        assert isinstance(norm, RMSNorm) and self.lm_head.kernel is not None
+        if self._final_norm is None:
+            self._final_norm = cpu_gemm.to_host(norm.weight.astype(mx.float32))[0]
+        rows = cpu_gemm.aligned_copy(x[logit_rows])
+        normed_rows = cpu_gemm.rms_norm_host(lib, rows, self._final_norm, norm.eps)
+        return mx.array(self.lm_head.kernel.host(normed_rows))
+
+    _final_norm: np.ndarray | None = None

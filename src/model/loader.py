@@ -12,10 +12,10 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
+from slotserve.model import families
 from slotserve.model.config import ModelConfig, config_from_gguf, config_from_hf
 from slotserve.model.errors import ModelLoadError, UnsupportedModelError
-from slotserve.model.families import model_class
-from slotserve.model.weights import read_gguf, read_safetensors_dir, stack_experts
+from slotserve.model.weights import read_gguf, read_safetensors_dir
 
 log = structlog.get_logger("slotserve.loader")
 
@@ -86,7 +86,9 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, 
         cfg_file = path / "config.json"
         if not cfg_file.exists():
             raise ModelLoadError(f"{path}: missing config.json")
-        cfg = config_from_hf(json.loads(cfg_file.read_text()), str(path))
+        raw_cfg = json.loads(cfg_file.read_text())
+        family = families.for_hf(raw_cfg, str(path))
+        cfg = config_from_hf(raw_cfg, family, str(path))
         weights = read_safetensors_dir(path)
         meta: dict[str, Any] = {}
     elif path.suffix == ".gguf":
@@ -96,39 +98,28 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, 
             raise UnsupportedModelError(f"{path}: cannot read GGUF: {exc}") from exc
         meta = dict(meta)
         meta["__tensor_names__"] = {k.rsplit(".", 1)[0] + ".weight" for k in raw}
-        cfg = config_from_gguf(meta, str(path))
-        weights = read_gguf(path, cfg.family, cfg.num_heads, cfg.num_kv_heads, raw)
+        family = families.for_gguf(meta, str(path))
+        cfg = config_from_gguf(meta, family, str(path))
+        weights = read_gguf(path, family, cfg, raw)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face directory")
-    if cfg.num_experts:
-        stack_experts(weights, cfg.num_layers, cfg.num_experts)
+    family.sanitize(weights, cfg)
     return cfg, weights, meta
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, Any], device: str, path: Path) -> Any:
     policy = ComputePolicy.for_device(device)
+    model = families.family(cfg.family).model
     try:
-        model = model_class(cfg.family)(cfg, weights, policy.dtype, policy.keep_quantized)
+        return model(cfg, weights, policy.dtype, policy.keep_quantized)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: missing tensor {exc.args[0]!r} for {cfg.family}") from exc
-    return model
 
 
 def eval_model(model: Any) -> None:
-    """Materialize every weight now (so load time and RSS are paid up front)."""
-    arrays: list[mx.array] = []
-
-    def collect(obj: Any, depth: int = 0) -> None:
-        if isinstance(obj, mx.array):
-            arrays.append(obj)
-        elif isinstance(obj, list | tuple):
-            for o in obj:
-                collect(o, depth + 1)
-        elif hasattr(obj, "__dict__") and depth < 6:
-            for v in vars(obj).values():
-                collect(v, depth + 1)
-
-    collect(model)
+    """Materialize every weight of a model or of one of its layers now (so load time and RSS
+    are paid up front): the arrays its layers declare (layers.Layer.arrays)."""
+    arrays = model.arrays()
     for i in range(0, len(arrays), 64):
         mx.eval(arrays[i : i + 64])
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 import structlog
 
 from slotserve.kernels import cuda, native
 from slotserve.kernels.invariance import (
     attention_invariant,
+    cuda_attention_invariant,
     linear_floor,
     native_attention_invariant,
 )
@@ -55,7 +55,7 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
         assert lib is not None
         attention_ok = native_attention_invariant(lib, group, cfg.num_kv_heads, cfg.head_dim)
     elif cuda.enabled() and cuda.attention_supported(model.dtype, cfg.head_dim):
-        attention_ok = cuda.attention_invariant(group, cfg.num_kv_heads, cfg.head_dim)
+        attention_ok = cuda_attention_invariant(group, cfg.num_kv_heads, cfg.head_dim)
     else:
         attention_ok = attention_invariant(group, cfg.num_kv_heads, cfg.head_dim, model.dtype)
     if not attention_ok:
@@ -70,25 +70,7 @@ def probe_model(model: Any, max_rows: int) -> ProbeReport:
 
 
 def linears(model: Any) -> list[Any]:
-    """The model's matmuls. An embedding table is only gathered from, so it is left out;
-    when it doubles as the lm_head it is reached through `model.lm_head`."""
-    found: list[Any] = []
-    seen_ids: set[int] = set()
-
-    def walk(obj: Any, depth: int) -> None:
-        if id(obj) in seen_ids or depth > 6:
-            return
-        seen_ids.add(id(obj))
-        if isinstance(obj, layers.Embedding):
-            return
-        if isinstance(obj, layers.Linear):
-            found.append(obj)
-        elif isinstance(obj, list | tuple):
-            for o in obj:
-                walk(o, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, mx.array):
-            for v in vars(obj).values():
-                walk(v, depth + 1)
-
-    walk(model, 0)
-    return found
+    """The model's matmuls, as its layers declare them (layers.Layer.linears). An embedding
+    table is only gathered from, so it is left out; when it doubles as the lm_head it is
+    the model's lm_head."""
+    return model.linears()

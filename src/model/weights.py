@@ -2,20 +2,25 @@
 
 GGUF files are read by `mx.load`: Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine
 quantized triples (group size 32, bits per tensor), K-quants arrive dequantized.
-Names are mapped to HF names; llama.cpp's Q/K row permutation (done for the llama
-architecture so it can use interleaved RoPE) is undone, so every family runs HF's
-rotate-half RoPE; gemma's norm weights (stored +1 by llama.cpp) are shifted back.
+Names are mapped to HF names by llama.cpp's convention (`GGUF_LAYER_NAMES`, plus what the
+family adds); what a family's GGUF files do differently is the family's to say
+(`Family`): llama.cpp's Q/K row permutation (done for the llama architecture so it can
+use interleaved RoPE) is undone, so every family runs HF's rotate-half RoPE, and norm
+weights stored with an offset (gemma's, +1) are shifted back.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import mlx.core as mx
 
 from slotserve.kernels.quantized import QuantizedWeight
+from slotserve.model.config import ModelConfig
 from slotserve.model.errors import ModelLoadError, UnsupportedModelError
 
 GROUP_SIZE_GGUF = 32
@@ -23,35 +28,37 @@ GROUP_SIZE_GGUF = 32
 
 Tensor = mx.array | QuantizedWeight
 
-_GGUF_LAYER_NAMES = {
+# llama.cpp's names of a block's tensors, as every family's GGUF files use them; a family
+# adds its own or renames one (Family.gguf_layer_names)
+GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
     "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
-_GGUF_TOP_NAMES = {
+GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
 
 
-def _gguf_layer_name(family: str, part: str) -> str | None:
-    if part == "ffn_norm":  # gemma3 puts a norm before and after the MLP
-        return "pre_feedforward_layernorm" if family == "gemma3" else "post_attention_layernorm"
-    return _GGUF_LAYER_NAMES.get(part)
+class GGUFConventions(Protocol):
+    """What a family's GGUF files do their own way (slotserve.model.family.Family has it)."""
+
+    @property
+    def gguf_layer_names(self) -> Mapping[str, str]: ...
+
+    @property
+    def gguf_interleaved_qk(self) -> bool: ...
+
+    @property
+    def gguf_norm_offset(self) -> float: ...
 
 
 def _unpermute_rows(t: Tensor, n_heads: int) -> Tensor:
@@ -62,9 +69,11 @@ def _unpermute_rows(t: Tensor, n_heads: int) -> Tensor:
     return t.take_rows(order) if isinstance(t, QuantizedWeight) else t[order]
 
 
-def read_gguf(path: Path, family: str, num_heads: int, num_kv_heads: int,
+def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
               raw: dict[str, mx.array]) -> dict[str, Tensor]:
     """Map GGUF tensors (already loaded by mx.load) to HF names."""
+    layer_names = {**GGUF_LAYER_NAMES, **family.gguf_layer_names}
+    heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
     out: dict[str, Tensor] = {}
     bases = sorted({k.rsplit(".", 1)[0] for k in raw})
     for base in bases:
@@ -82,20 +91,18 @@ def read_gguf(path: Path, family: str, num_heads: int, num_kv_heads: int,
             tensor = w
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
         if m:
-            part = _gguf_layer_name(family, m.group(2))
+            part = layer_names.get(m.group(2))
             if part is None:
                 raise UnsupportedModelError(f"{path}: unknown GGUF tensor {base!r}")
             name = f"model.layers.{m.group(1)}.{part}"
-            if family == "llama" and part == "self_attn.q_proj":
-                tensor = _unpermute_rows(tensor, num_heads)
-            elif family == "llama" and part == "self_attn.k_proj":
-                tensor = _unpermute_rows(tensor, num_kv_heads)
-        elif base in _GGUF_TOP_NAMES:
-            name = _GGUF_TOP_NAMES[base]
+            if family.gguf_interleaved_qk and part in heads:
+                tensor = _unpermute_rows(tensor, heads[part])
+        elif base in GGUF_TOP_NAMES:
+            name = GGUF_TOP_NAMES[base]
         else:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {base!r}")
-        if family == "gemma3" and name.endswith("norm") and isinstance(tensor, mx.array):
-            tensor = tensor - 1.0
+        if family.gguf_norm_offset and name.endswith("norm") and isinstance(tensor, mx.array):
+            tensor = tensor - family.gguf_norm_offset
         out[name + ".weight"] = tensor
     return out
 
@@ -141,18 +148,3 @@ def _mlx_quantized(w: mx.array, scales: mx.array, biases: mx.array | None,
 def _strip_prefix(key: str) -> str:
     """Gemma3 multimodal checkpoints nest the text model; keep HF causal-LM names."""
     return key.replace("model.language_model.", "model.").replace("language_model.", "")
-
-
-def stack_experts(weights: dict[str, Tensor], num_layers: int, num_experts: int) -> None:
-    """Turn HF per-expert tensors into one [E, out, in] tensor per layer and projection."""
-    for i in range(num_layers):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            stacked = f"model.layers.{i}.mlp.experts.{proj}.weight"
-            if stacked in weights:
-                continue
-            keys = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(num_experts)]
-            if all(k in weights for k in keys):
-                parts = [weights.pop(k) for k in keys]
-                if any(isinstance(p, QuantizedWeight) for p in parts):
-                    raise UnsupportedModelError("per-expert quantized tensors are unsupported")
-                weights[stacked] = mx.stack(parts)  # type: ignore[arg-type]

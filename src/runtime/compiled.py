@@ -39,7 +39,7 @@ class CompiledDecode:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.ropes: list[Rope] = [r for r in vars(model).values() if isinstance(r, Rope)]
+        self.ropes: list[Rope] = list(model.ropes)  # the tables its layers rotate by
         self._traces: OrderedDict[tuple[Any, ...], Callable[..., Any]] = OrderedDict()
         self._last_key: tuple[Any, ...] | None = None
         self._batch: Batch | None = None  # the batch being traced (its Python parts)

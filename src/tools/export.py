@@ -16,24 +16,21 @@ from typing import Any
 
 import mlx.core as mx
 
+from slotserve.model import families
 from slotserve.model.config import ModelConfig
 from slotserve.model.loader import default_model_path, read_checkpoint
 from slotserve.model.tokenizer import Tokenizer
 from slotserve.model.weights import QuantizedWeight
 
-HF_ARCH = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str) -> dict[str, Any]:
-    arch, model_type = HF_ARCH[cfg.family]
+    """config.json: the keys every family has, then the family's own (ModelConfig.hf_keys)."""
+    family = families.family(cfg.family)
     out: dict[str, Any] = {
-        "architectures": [arch], "model_type": model_type, "torch_dtype": dtype,
+        "architectures": [family.hf_architectures[0]], "model_type": family.hf_model_type,
+        "torch_dtype": dtype,
         "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size,
@@ -44,31 +41,15 @@ def hf_config(cfg: ModelConfig, tok: Tokenizer, dtype: str) -> dict[str, Any]:
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
         "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
     }
-    if cfg.family == "gemma3":
-        out.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-                   sliding_window=cfg.sliding_window, layer_types=cfg.layer_types,
-                   rope_local_base_freq=cfg.rope_local_theta,
-                   query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                   final_logit_softcapping=cfg.final_logit_softcapping)
-    if cfg.family == "qwen3_moe":
-        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
-                   moe_intermediate_size=cfg.moe_intermediate_size,
-                   norm_topk_prob=cfg.norm_topk_prob,
-                   decoder_sparse_step=cfg.decoder_sparse_step,
-                   mlp_only_layers=cfg.mlp_only_layers)
+    out.update(cfg.hf_keys())
     return out
 
 
 def hf_tensors(cfg: ModelConfig, weights: dict[str, Any], dtype: mx.Dtype) -> dict[str, mx.array]:
-    out: dict[str, mx.array] = {}
-    for name, t in weights.items():
-        arr = t.dequantize(dtype) if isinstance(t, QuantizedWeight) else t.astype(dtype)
-        if ".mlp.experts." in name and arr.ndim == 3:  # stacked [E, out, in] -> per expert
-            layer, proj = name.split(".mlp.experts.")
-            for e in range(arr.shape[0]):
-                out[f"{layer}.mlp.experts.{e}.{proj}"] = arr[e]
-            continue
-        out[name] = arr
+    """The tensors in dtype, in Hugging Face's names and layout (the family's to say)."""
+    out = {name: t.dequantize(dtype) if isinstance(t, QuantizedWeight) else t.astype(dtype)
+           for name, t in weights.items()}
+    out = families.family(cfg.family).hf_tensors(out)
     if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     return out

@@ -1,17 +1,48 @@
-"""One module per model family; FAMILIES maps a family name to its Model class."""
+"""The model families slotserve runs, one module each (its config, layers and Model, and
+its `FAMILY` facts), registered here: the readers find a checkpoint's family by its names."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-FAMILY_MODULES = {
-    "llama": "slotserve.model.families.llama",
-    "qwen3": "slotserve.model.families.qwen3",
-    "qwen3_moe": "slotserve.model.families.qwen3_moe",
-    "gemma3": "slotserve.model.families.gemma3",
+from slotserve.model.errors import UnsupportedModelError
+from slotserve.model.families import gemma3, llama, qwen3, qwen3_moe
+from slotserve.model.family import Family
+
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, gemma3.FAMILY)
 }
 
 
-def model_class(family: str) -> Any:
-    return importlib.import_module(FAMILY_MODULES[family]).Model
+def family(name: str) -> Family:
+    """The family of a ModelConfig.family name."""
+    return FAMILIES[name]
+
+
+def for_hf(cfg: dict[str, Any], source: str) -> Family:
+    """The family of a Hugging Face config.json: its first architecture slotserve knows,
+    else its model_type."""
+    archs = cfg.get("architectures") or []
+    by_arch = {a: f for f in FAMILIES.values() for a in f.hf_architectures}
+    found = next((by_arch[a] for a in archs if a in by_arch), None)
+    if found is None:
+        found = next((f for f in FAMILIES.values()
+                      if f.hf_model_type == cfg.get("model_type", "")), None)
+    if found is None:
+        raise UnsupportedModelError(
+            f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"supported: {sorted(by_arch)}"
+        )
+    return found
+
+
+def for_gguf(meta: dict[str, Any], source: str) -> Family:
+    """The family of GGUF metadata (general.architecture)."""
+    arch = meta.get("general.architecture")
+    arch = arch.item() if hasattr(arch, "item") else arch
+    by_arch = {f.gguf_architecture: f for f in FAMILIES.values()}
+    if arch not in by_arch:
+        raise UnsupportedModelError(
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: {sorted(by_arch)}"
+        )
+    return by_arch[arch]

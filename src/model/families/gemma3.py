@@ -10,16 +10,75 @@ optional tanh cap on the final logits.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from slotserve.model import layers
 from slotserve.model.config import ModelConfig
-from slotserve.model.families import llama
-from slotserve.model.layers import Batch, Embedding, Linear, Rope, attend, pad_rows
+from slotserve.model.family import Family
 from slotserve.model.weights import Tensor
 
+SLIDING, FULL = "sliding_attention", "full_attention"
 
-class GemmaNorm:
+
+def layer_pattern(n: int, every: int = 6) -> list[str]:
+    """Gemma 3's default: each `every`-th layer global, the others sliding."""
+    return [FULL if (i + 1) % every == 0 else SLIDING for i in range(n)]
+
+
+@dataclass
+class Config(ModelConfig):
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)  # SLIDING | FULL per layer
+    rope_local_theta: float = 10000.0  # the sliding layers' RoPE base
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
+    tied_by_default: ClassVar[bool] = True
+
+    @property
+    def attn_scale(self) -> float:
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return self.head_dim**-0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    @classmethod
+    def hf_fields(cls, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+        local = cfg.get("rope_local_base_freq", 10000.0)
+        rope_params = cfg.get("rope_parameters") or {}
+        if FULL in rope_params:  # transformers 5.x: rope parameters per layer type
+            local = rope_params.get(SLIDING, {}).get("rope_theta", local)
+        types = list(cfg.get("layer_types") or [])
+        return dict(
+            sliding_window=cfg.get("sliding_window"),
+            layer_types=types or layer_pattern(num_layers, cfg.get("sliding_window_pattern", 6)),
+            rope_local_theta=float(local),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+    @classmethod
+    def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+        window = get("attention.sliding_window")
+        return dict(sliding_window=int(window) if window else None,
+                    layer_types=layer_pattern(common["num_layers"]),
+                    query_pre_attn_scalar=float(common["head_dim"]))
+
+    def hf_keys(self) -> dict[str, Any]:
+        return dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                    sliding_window=self.sliding_window, layer_types=self.layer_types,
+                    rope_local_base_freq=self.rope_local_theta,
+                    query_pre_attn_scalar=self.query_pre_attn_scalar,
+                    final_logit_softcapping=self.final_logit_softcapping)
+
+
+class GemmaNorm(layers.Layer):
     """RMSNorm with a (1 + w) scale, computed in float32 as HF does (w is stored centred)."""
 
     def __init__(self, weight: Tensor, eps: float) -> None:
@@ -30,97 +89,101 @@ class GemmaNorm:
     def __call__(self, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x.astype(mx.float32), self.scale, self.eps).astype(x.dtype)
 
-
-def gelu_tanh(x: mx.array) -> mx.array:
-    """HF's gelu_pytorch_tanh."""
-    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+    def arrays(self) -> list[mx.array]:
+        return [self.scale]
 
 
-class Attention(llama.Attention):
-    """Llama attention plus per-head q/k norms before RoPE and an optional sliding window."""
+class Attention(layers.Attention):
+    """Llama attention with a GemmaNorm over each q and k head and, on sliding layers, a
+    window."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
-                 quant: bool, window: int | None) -> None:
-        super().__init__(cfg, w, p, dtype, quant)
-        self.q_norm = GemmaNorm(w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
-        self.k_norm = GemmaNorm(w[f"{p}.k_norm.weight"], cfg.rms_norm_eps)
-        self.window = window
-
-    def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array) -> mx.array:
-        q, k, v = self.split_heads(x)
-        q = Rope.apply(self.q_norm(q), cos, sin)
-        k = Rope.apply(self.k_norm(k), cos, sin)
-        out = attend(q, k, v, batch, layer, self.scale, self.window)
-        return self.o(out.reshape(out.shape[0], -1))
-
-
-class MLP(llama.MLP):
-    def __call__(self, x: mx.array) -> mx.array:
-        gu = self.gate_up(x)
-        return self.down(gelu_tanh(gu[:, : self.inter]) * gu[:, self.inter :])
-
-
-class Block:
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, dtype: mx.Dtype,
-                 quant: bool) -> None:
-        p = f"model.layers.{i}"
-        self.sliding = cfg.is_sliding(i)
-        window = cfg.sliding_window if self.sliding else None
-        self.attn = Attention(cfg, w, f"{p}.self_attn", dtype, quant, window)
-        self.mlp = MLP(w, f"{p}.mlp", dtype, quant)
+    def __init__(self, cfg: Config, w: dict[str, Tensor], p: str, layer: int,
+                 rope: layers.Rope, dtype: mx.Dtype, quant: bool) -> None:
         eps = cfg.rms_norm_eps
+        super().__init__(
+            w[f"{p}.q_proj.weight"], w[f"{p}.k_proj.weight"], w[f"{p}.v_proj.weight"],
+            w[f"{p}.o_proj.weight"], dtype, quant, layer=layer, heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=cfg.attn_scale, rope=rope,
+            q_norm=GemmaNorm(w[f"{p}.q_norm.weight"], eps),
+            k_norm=GemmaNorm(w[f"{p}.k_norm.weight"], eps),
+            window=cfg.sliding_window if cfg.is_sliding(layer) else None,
+        )
+
+
+class MLP(layers.GatedMLP):
+    """down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, w: dict[str, Tensor], p: str, dtype: mx.Dtype, quant: bool) -> None:
+        super().__init__(w[f"{p}.gate_proj.weight"], w[f"{p}.up_proj.weight"],
+                         w[f"{p}.down_proj.weight"], layers.gelu_tanh, dtype, quant)
+
+
+class Block(layers.Layer):
+    """h = x + norm(attn(norm(x))), then h + norm(mlp(norm(h)))."""
+
+    def __init__(self, cfg: Config, w: dict[str, Tensor], i: int, rope: layers.Rope,
+                 dtype: mx.Dtype, quant: bool) -> None:
+        p, eps = f"model.layers.{i}", cfg.rms_norm_eps
+        self.attn = Attention(cfg, w, f"{p}.self_attn", i, rope, dtype, quant)
+        self.mlp = MLP(w, f"{p}.mlp", dtype, quant)
         self.in_norm = GemmaNorm(w[f"{p}.input_layernorm.weight"], eps)
         self.post_attn_norm = GemmaNorm(w[f"{p}.post_attention_layernorm.weight"], eps)
         self.pre_mlp_norm = GemmaNorm(w[f"{p}.pre_feedforward_layernorm.weight"], eps)
         self.post_mlp_norm = GemmaNorm(w[f"{p}.post_feedforward_layernorm.weight"], eps)
 
-    def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array, rope: Rope | None = None) -> mx.array:
-        h = x + self.post_attn_norm(self.attn(self.in_norm(x), batch, layer, cos, sin))
-        return h + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(h)))
+    def __call__(self, x: mx.array, batch: layers.Batch) -> mx.array:
+        h = x + self.post_attn_norm(self.attn(x, batch, norm=self.in_norm))
+        return h + self.post_mlp_norm(self.mlp(h, norm=self.pre_mlp_norm))
+
+    def parts(self) -> list[layers.Layer]:
+        return [self.attn, self.mlp, self.in_norm, self.post_attn_norm, self.pre_mlp_norm,
+                self.post_mlp_norm]
 
 
-class Model(llama.Model):
+class Model(layers.Decoder):
     """Gemma 3 over a row batch; the lm_head is the (unscaled) embedding table."""
 
-    block_class = Block
-
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], dtype: mx.Dtype,
+    def __init__(self, cfg: Config, w: dict[str, Tensor], dtype: mx.Dtype,
                  quant: bool) -> None:
-        self.config, self.dtype = cfg, dtype
-        self.embed = Embedding(w["model.embed_tokens.weight"], dtype, quant)
+        self.rope = layers.Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.local_rope = layers.Rope(cfg.head_dim, cfg.rope_local_theta, None, dtype)
+        embed = layers.Embedding(w["model.embed_tokens.weight"], dtype, quant)
         # HF rounds the scale to the compute dtype before multiplying; so do we
         self.embed_scale = mx.array(math.sqrt(cfg.hidden_size), dtype=dtype)
-        self.layers = [self.block_class(cfg, w, i, dtype, quant) for i in range(cfg.num_layers)]
-        self.final_norm = GemmaNorm(w["model.norm.weight"], cfg.rms_norm_eps)
+        blocks = [Block(cfg, w, i, self.local_rope if cfg.is_sliding(i) else self.rope, dtype,
+                        quant) for i in range(cfg.num_layers)]
         head = w.get("lm_head.weight")
-        self.lm_head = self.embed.as_linear() if head is None else Linear(head, dtype, quant)
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.local_rope = Rope(cfg.head_dim, cfg.rope_local_theta, None, dtype)
+        lm_head = embed.as_linear() if head is None else layers.Linear(head, dtype, quant)
+        super().__init__(cfg, dtype, embed, blocks, GemmaNorm(w["model.norm.weight"],
+                                                              cfg.rms_norm_eps),
+                         lm_head, [self.rope, self.local_rope])
         self.softcap = cfg.final_logit_softcapping
 
     def embed_tokens(self, tokens: mx.array) -> mx.array:
         return self.embed(tokens) * self.embed_scale
 
-    def __call__(self, tokens: mx.array, batch: Batch, logit_rows: list[int]) -> mx.array | None:
-        """Run R token rows; return float32 logits for the rows in logit_rows (None if empty).
+    def __call__(self, tokens: mx.array, batch: layers.Batch,
+                 logit_rows: list[int]) -> mx.array | None:
+        """Llama's forward, then the tanh cap on the logits when the config sets one."""
+        logits = super().__call__(tokens, batch, logit_rows)
+        if logits is None or not self.softcap:
+            return logits
+        return mx.tanh(logits / self.softcap) * self.softcap
 
-        Rows not in logit_rows still write their K/V into their slots.
-        """
-        max_pos = max(s.start + s.length for s in batch.segments)
-        tables = {
-            False: self.rope.tables(batch.positions, max_pos),
-            True: self.local_rope.tables(batch.positions, max_pos),
-        }
-        x = self.embed_tokens(batch.pad_tokens(tokens))
-        for i, layer in enumerate(self.layers):
-            x = layer(x, batch, i, *tables[layer.sliding])
-        if not logit_rows:
-            return None
-        x = x[mx.array(logit_rows, dtype=mx.int32)]
-        logits = self.lm_head(self.final_norm(pad_rows(x)))[: len(logit_rows)]
-        logits = logits.astype(mx.float32)
-        if self.softcap:
-            logits = mx.tanh(logits / self.softcap) * self.softcap
-        return logits
+
+FAMILY = Family(
+    name="gemma3",
+    config=Config,
+    model=Model,
+    hf_architectures=("Gemma3ForCausalLM", "Gemma3TextForCausalLM"),
+    hf_model_type="gemma3_text",
+    gguf_architecture="gemma3",
+    gguf_layer_names={
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",  # gemma puts a norm before and after the MLP
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    gguf_norm_offset=1.0,
+)

@@ -1,57 +1,60 @@
-"""Qwen3 dense family: Llama's block plus a per-head RMSNorm on queries and keys.
+"""Qwen3 dense family: Llama's block with an RMS norm on each query and key head.
 
-Qwen3 normalizes each query/key head (weights of size head_dim) after the
-projection and before RoPE; head_dim is set by the config and need not equal
-hidden_size / num_heads. Everything else (fused QKV, SwiGLU MLP, residual
-layout, row-batch forward) is inherited from the llama family.
+Qwen3 normalizes each query/key head (weights of size head_dim) after the projection and
+before RoPE; head_dim is set by the config and need not equal hidden_size / num_heads.
+The fused QKV, SwiGLU MLP, residual layout and row-batch forward are llama's.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
+import slotserve.model.families.llama as llama
+from slotserve.model import layers
 from slotserve.model.config import ModelConfig
-from slotserve.model.families import llama
-from slotserve.model.layers import rms_norm
+from slotserve.model.family import Family
 from slotserve.model.weights import Tensor
 
-
-class Attention(llama.Attention):
-    native_block = False  # q/k norms sit between the projection and RoPE
-
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
-                 quant: bool) -> None:
-        super().__init__(cfg, w, p, dtype, quant)
-        self.q_norm = w[f"{p}.q_norm.weight"].astype(dtype)
-        self.k_norm = w[f"{p}.k_norm.weight"].astype(dtype)
-        self.eps = cfg.rms_norm_eps
-
-    def split_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        # rms_norm works on the last axis, i.e. per head, as Qwen3 defines it.
-        q, k, v = super().split_heads(x)
-        return rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps), v
+# llama.cpp's names of the head norms (its other names are every family's)
+GGUF_HEAD_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
-class Block(llama.Block):
-    """Llama's pre-norm residual block with Qwen3 attention; `make_mlp` picks the MLP."""
+class Attention(layers.Attention):
+    """Llama attention with rms_norm over each q and k head (before RoPE)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, dtype: mx.Dtype,
-                 quant: bool) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, layer: int,
+                 rope: layers.Rope, dtype: mx.Dtype, quant: bool) -> None:
+        super().__init__(
+            w[f"{p}.q_proj.weight"], w[f"{p}.k_proj.weight"], w[f"{p}.v_proj.weight"],
+            w[f"{p}.o_proj.weight"], dtype, quant, layer=layer, heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=cfg.attn_scale, rope=rope,
+            q_norm=llama.rms_norm(w, f"{p}.q_norm", cfg, dtype),
+            k_norm=llama.rms_norm(w, f"{p}.k_norm", cfg, dtype),
+        )
+
+
+class Block(layers.PreNormBlock):
+    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, rope: layers.Rope,
+                 dtype: mx.Dtype, quant: bool) -> None:
         p = f"model.layers.{i}"
-        self.attn = Attention(cfg, w, f"{p}.self_attn", dtype, quant)
-        self.mlp = self.make_mlp(cfg, w, i, f"{p}.mlp", dtype, quant)
-        self.in_norm = w[f"{p}.input_layernorm.weight"].astype(dtype)
-        self.post_norm = w[f"{p}.post_attention_layernorm.weight"].astype(dtype)
-        self.eps = cfg.rms_norm_eps
-
-    def make_mlp(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, p: str,
-                 dtype: mx.Dtype, quant: bool) -> Any:
-        return llama.MLP(w, p, dtype, quant)
+        super().__init__(Attention(cfg, w, f"{p}.self_attn", i, rope, dtype, quant),
+                         llama.MLP(w, f"{p}.mlp", dtype, quant),
+                         llama.rms_norm(w, f"{p}.input_layernorm", cfg, dtype),
+                         llama.rms_norm(w, f"{p}.post_attention_layernorm", cfg, dtype))
 
 
 class Model(llama.Model):
-    """Qwen3 decoder over a row batch; see slotserve.model.layers."""
+    """Qwen3 over a row batch; see slotserve.model.layers."""
 
     block_class = Block
+
+
+FAMILY = Family(
+    name="qwen3",
+    config=ModelConfig,
+    model=Model,
+    hf_architectures=("Qwen3ForCausalLM",),
+    hf_model_type="qwen3",
+    gguf_architecture="qwen3",
+    gguf_layer_names=GGUF_HEAD_NORMS,
+)

@@ -1,30 +1,67 @@
 """Qwen3-MoE family: Qwen3 attention with a sparse mixture-of-experts MLP.
 
-The router scores all experts (softmax in float32), keeps the top k per row and,
-when the config says so, renormalizes those k weights to sum to one; the row's
-output is the weighted sum of its k experts' SwiGLU outputs. Layers that are not
+The router scores all experts (softmax in float32), keeps the top k per row and, when the
+config says so, renormalizes those k weights to sum to one; the row's output is the
+weighted sum of its k experts' SwiGLU outputs (layers.SparseMoE). Layers that are not
 sparse (`mlp_only_layers`, `decoder_sparse_step`) keep a dense MLP.
-
-Experts run through `gather_mm`: each (row, expert) pair is its own one-row
-product against that expert's matrix, so all rows go in one call per projection
-and a row's result never depends on which other rows share the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from slotserve.kernels import cuda
+import slotserve.model.families.llama as llama
+import slotserve.model.families.qwen3 as qwen3
+from slotserve.model import layers
 from slotserve.model.config import ModelConfig
-from slotserve.model.families import llama, qwen3
-from slotserve.model.layers import Batch, Linear, Rope, rms_norm
+from slotserve.model.errors import UnsupportedModelError
+from slotserve.model.family import Family
 from slotserve.model.weights import QuantizedWeight, Tensor
 
-# From this many (row, expert) pairs, issuing them grouped by expert pays on CPU
-# (measured E=64, k=8, H=1024: 2.4x at 64 rows, 2.5x at 256; about even below 64 pairs).
-GROUP_MIN_PAIRS = 64
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Config(ModelConfig):
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1  # layer i is sparse when (i+1) % step == 0
+    mlp_only_layers: list[int] = field(default_factory=list)  # dense layers
+
+    def is_sparse(self, layer: int) -> bool:
+        """Which layers carry experts, by the rule of HF's Qwen3MoeDecoderLayer."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % max(self.decoder_sparse_step, 1) == 0)
+
+    @classmethod
+    def hf_fields(cls, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+        return dict(
+            num_experts=cfg.get("num_experts") or cfg.get("num_local_experts", 0),
+            experts_per_token=cfg.get("num_experts_per_tok", 0),
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+        )
+
+    @classmethod
+    def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+        return dict(num_experts=int(get("expert_count", 0)),
+                    experts_per_token=int(get("expert_used_count", 0)),
+                    moe_intermediate_size=int(get("expert_feed_forward_length", 0)))
+
+    def hf_keys(self) -> dict[str, Any]:
+        return dict(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                    moe_intermediate_size=self.moe_intermediate_size,
+                    norm_topk_prob=self.norm_topk_prob,
+                    decoder_sparse_step=self.decoder_sparse_step,
+                    mlp_only_layers=self.mlp_only_layers)
 
 
 def _concat_out(a: Tensor, b: Tensor) -> Tensor:
@@ -57,127 +94,78 @@ def expert_weights(w: dict[str, Tensor], p: str) -> tuple[Tensor, Tensor]:
     return _concat_out(gate, up), w[f"{p}.{group}.down_proj.weight"]
 
 
-class ExpertProj:
-    """One projection of every expert of a layer, applied to (row, expert) pairs."""
+def stack_experts(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """Turn HF per-expert tensors into one [E, out, in] tensor per layer and projection."""
+    assert isinstance(cfg, Config)
+    if not cfg.num_experts:
+        return
+    for i in range(cfg.num_layers):
+        for proj in PROJECTIONS:
+            stacked = f"model.layers.{i}.mlp.experts.{proj}.weight"
+            if stacked in weights:
+                continue
+            keys = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+                    for e in range(cfg.num_experts)]
+            if all(k in weights for k in keys):
+                parts = [weights.pop(k) for k in keys]
+                if any(isinstance(p, QuantizedWeight) for p in parts):
+                    raise UnsupportedModelError("per-expert quantized tensors are unsupported")
+                weights[stacked] = mx.stack(parts)  # type: ignore[arg-type]
 
-    def __init__(self, weight: Tensor, dtype: mx.Dtype, quant: bool) -> None:
-        self.q: QuantizedWeight | None = None
-        self.wt: mx.array | None = None
-        if quant and isinstance(weight, QuantizedWeight):
-            self.q = weight
+
+def unstack_experts(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Stacked [E, out, in] expert tensors back to HF's one tensor per expert (export)."""
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name and t.ndim == 3:
+            layer, proj = name.split(".mlp.experts.")
+            for e in range(t.shape[0]):
+                out[f"{layer}.mlp.experts.{e}.{proj}"] = t[e]
         else:
-            dense = (
-                weight.dequantize(dtype) if isinstance(weight, QuantizedWeight)
-                else weight.astype(dtype)
-            )
-            # [E, in, out] kept contiguous so each pair is a plain row-times-matrix product.
-            self.wt = mx.contiguous(dense.swapaxes(1, 2))
-
-    def __call__(self, x: mx.array, experts: mx.array, grouped: bool = False) -> mx.array:
-        """x: [*B, 1, in] with B broadcasting against experts' shape -> [*B', 1, out]."""
-        if self.q is not None:
-            q = self.q
-            return mx.gather_qmm(
-                x, q.weight, q.scales, q.biases, rhs_indices=experts, transpose=True,
-                group_size=q.group_size, bits=q.bits, sorted_indices=grouped,
-            )
-        assert self.wt is not None
-        return mx.gather_mm(x, self.wt, rhs_indices=experts, sorted_indices=grouped)
+            out[name] = t
+    return out
 
 
-class SparseMoE:
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
-                 quant: bool) -> None:
-        self.router = Linear(w[f"{p}.gate.weight"], dtype, quant)
-        self.top_k = cfg.experts_per_token
-        self.norm_topk = cfg.norm_topk_prob
-        self.inter = cfg.moe_intermediate_size
-        gate_up, down = expert_weights(w, p)
-        self.gate_up = ExpertProj(gate_up, dtype, quant)
-        self.down = ExpertProj(down, dtype, quant)
-        # MLX's CPU gather_mm runs one BLAS call per pair whatever the order, so grouping
-        # pairs by expert changes no bits there; GPU kernels may differ, so CPU only.
-        self.can_group = self.down.wt is not None and mx.default_device() == mx.cpu
-        # GPU expert kernels change path with the row count (CUDA: 1-7 rows give other bits
-        # than 8+), so there padding rows go through the experts too, as through every Linear
-        # (routed to row 0's experts, so they read no other expert's weights).
-        self.skip_padding = mx.default_device() == mx.cpu
-        self.cuda = cuda.enabled()
+class Block(layers.PreNormBlock):
+    """Qwen3's block; its MLP is the experts on sparse layers, llama's MLP on the others."""
 
-    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """Per row: the k chosen experts [R, k] and their weights [R, k] (x's dtype)."""
-        probs = mx.softmax(self.router(x).astype(mx.float32), axis=-1)
-        n = probs.shape[-1]
-        experts = mx.argpartition(probs, kth=n - self.top_k, axis=-1)[:, n - self.top_k :]
-        weights = mx.take_along_axis(probs, experts, axis=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        return experts, weights.astype(x.dtype)
-
-    def swiglu(self, x: mx.array, experts: mx.array, grouped: bool = False) -> mx.array:
-        gu = self.gate_up(x, experts, grouped)
-        if self.cuda:  # one kernel, no chain of bf16 ops for mx.compile to fuse differently
-            h = cuda.swiglu(gu.reshape(-1, 2 * self.inter)).reshape(*gu.shape[:-1], self.inter)
+    def __init__(self, cfg: Config, w: dict[str, Tensor], i: int, rope: layers.Rope,
+                 dtype: mx.Dtype, quant: bool) -> None:
+        p = f"model.layers.{i}"
+        attn = qwen3.Attention(cfg, w, f"{p}.self_attn", i, rope, dtype, quant)
+        mlp: layers.FeedForward
+        if cfg.is_sparse(i):
+            gate_up, down = expert_weights(w, f"{p}.mlp")
+            mlp = layers.SparseMoE(w[f"{p}.mlp.gate.weight"], gate_up, down,
+                                   inter=cfg.moe_intermediate_size, top_k=cfg.experts_per_token,
+                                   norm_topk=cfg.norm_topk_prob, dtype=dtype,
+                                   keep_quantized=quant)
         else:
-            g, u = gu[..., : self.inter], gu[..., self.inter :]
-            h = g * mx.sigmoid(g) * u
-        return self.down(h, experts, grouped)
-
-    def grouped_swiglu(self, x: mx.array, experts: mx.array) -> mx.array:
-        """The same per-pair products, issued expert by expert so weights stay in cache."""
-        r, k = experts.shape
-        flat = experts.flatten()
-        order = mx.argsort(flat)
-        y = self.swiglu(x[order // k][:, None, :], flat[order], grouped=True)  # [R*k, 1, H]
-        return y[mx.argsort(order)].reshape(r, k, -1)
-
-    def __call__(self, x: mx.array, rows: int | None = None) -> mx.array:
-        """x: [R, H]; only the first `rows` rows (default all) are real, the rest padding.
-
-        The router sees every row (it is a plain Linear, padded for invariance); the
-        experts, which cost k weight reads per row, skip the padding rows (output 0).
-        """
-        experts, weights = self.route(x)
-        r = x.shape[0]
-        real = r if rows is None else rows
-        n = real if self.skip_padding else r
-        if n > real:  # GPU: padding rows take row 0's experts
-            pad = mx.broadcast_to(experts[:1], (n - real, experts.shape[1]))
-            experts = mx.concatenate([experts[:real], pad])
-        xs, experts, weights = x[:n], experts[:n], weights[:n]
-        if self.can_group and experts.size >= GROUP_MIN_PAIRS:
-            out = self.grouped_swiglu(xs, experts)
-        else:
-            out = self.swiglu(xs[:, None, None, :], experts)[:, :, 0, :]  # [n, k, H]
-        y = (out * weights[..., None]).sum(axis=1)
-        return y if n == r else mx.concatenate([y, mx.zeros((r - n, y.shape[1]), y.dtype)])
+            mlp = llama.MLP(w, f"{p}.mlp", dtype, quant)
+        super().__init__(attn, mlp, llama.rms_norm(w, f"{p}.input_layernorm", cfg, dtype),
+                         llama.rms_norm(w, f"{p}.post_attention_layernorm", cfg, dtype))
 
 
-def is_sparse(cfg: ModelConfig, layer: int) -> bool:
-    """Which layers carry experts, by the rule of HF's Qwen3MoeDecoderLayer."""
-    return (
-        layer not in cfg.mlp_only_layers
-        and cfg.num_experts > 0
-        and (layer + 1) % max(cfg.decoder_sparse_step, 1) == 0
-    )
-
-
-class Block(qwen3.Block):
-    def make_mlp(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, p: str,
-                 dtype: mx.Dtype, quant: bool) -> Any:
-        if is_sparse(cfg, i):
-            return SparseMoE(cfg, w, p, dtype, quant)
-        return llama.MLP(w, p, dtype, quant)
-
-    def __call__(self, x: mx.array, batch: Batch, layer: int, cos: mx.array,
-                 sin: mx.array, rope: Rope | None = None) -> mx.array:
-        """As llama's block, but telling the MoE which rows are padding."""
-        h = x + self.attn(rms_norm(x, self.in_norm, self.eps), batch, layer, cos, sin)
-        y = rms_norm(h, self.post_norm, self.eps)
-        return h + (self.mlp(y, batch.rows) if isinstance(self.mlp, SparseMoE) else self.mlp(y))
-
-
-class Model(qwen3.Model):
-    """Qwen3-MoE decoder over a row batch; see slotserve.model.layers."""
+class Model(llama.Model):
+    """Qwen3-MoE over a row batch; see slotserve.model.layers."""
 
     block_class = Block
+
+
+FAMILY = Family(
+    name="qwen3_moe",
+    config=Config,
+    model=Model,
+    hf_architectures=("Qwen3MoeForCausalLM",),
+    hf_model_type="qwen3_moe",
+    gguf_architecture="qwen3moe",
+    gguf_layer_names={
+        **qwen3.GGUF_HEAD_NORMS,
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.gate_proj",
+        "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj",
+    },
+    sanitize=stack_experts,
+    hf_tensors=unstack_experts,
+)
