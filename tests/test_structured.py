@@ -7,20 +7,24 @@ leave the rows beside it in the same fused step byte-identical; a bad schema is 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 from collections.abc import Iterator
 from typing import Any
 
+import llguidance
 import mlx.core as mx
 import numpy as np
 import openai
 import pytest
+import vocabularies
 from engine_harness import EngineHarness
 
 from slotserve.api.app import create_app
 from slotserve.api.server import BackgroundServer
 from slotserve.engine import Completion, EngineConfig
-from slotserve.runtime.grammar import apply_masks, compile_response_format
+from slotserve.model.tokenizer import Tokenizer
+from slotserve.runtime.grammar import apply_masks, compile_response_format, ll_tokenizer
 
 PERSON_Q = [{"role": "user", "content": "Invent a person. Reply in JSON with name and age."}]
 PERSON_SCHEMA = {"type": "object", "required": ["name", "age"],
@@ -132,6 +136,148 @@ def test_bad_schema_is_refused(harness: EngineHarness, fmt: dict[str, Any], need
     with pytest.raises(ValueError, match="response_format") as info:
         engine.make_request(engine.render_chat(PERSON_Q), max_tokens=4, response_format=fmt)
     assert needle in str(info.value)
+
+
+# ---- llguidance's vocabulary ----------------------------------------------------------------
+# ll_tokenizer is llguidance's own tokenizer read from tokenizer.json (what
+# llguidance.hf.from_tokenizer builds). These compare it with the vocabulary slotserve built by
+# hand before: TokenizerWrapper over Tokenizer.token_bytes, our encoder for forced text.
+
+GRAMMARS: list[tuple[str, str]] = [  # (name, "json:<response_format>" or a llguidance grammar)
+    ("json_object", json.dumps({"type": "json_object"})),
+    ("person", json.dumps(JSON_SCHEMA)),
+    ("enum_pattern", json.dumps({"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "required": ["code", "ok", "tags"],
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                       "ok": {"type": "boolean"}, "x": {"type": "number"},
+                       "tags": {"type": "array", "items": {"enum": ["a", "😀 b", "日本"]}}}}}})),
+]
+LL_GRAMMARS = [("regex", r"(yes|no|maybe) [0-9]+ [a-zé😀]{1,5}"),
+               ("lark", 'start: "red" | "green" | "blue" | "日本語"')]
+
+
+class _ByteVocab:
+    """The hand-built vocabulary for llguidance's TokenizerWrapper (the old path)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens = tokenizer.all_token_bytes()
+        self.special_token_ids = sorted(tokenizer.special_ids)
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special=False)
+
+
+def _byte_vocab_tokenizer(tok: Tokenizer) -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tok)),
+                                  n_vocab=tok.vocab_size, eos_token=sorted(tok.stop_ids))
+
+
+def _sources(tok: Tokenizer) -> list[tuple[str, str]]:
+    out = []
+    for name, fmt in GRAMMARS:
+        grammar = compile_response_format(json.loads(fmt), tok)
+        assert grammar is not None
+        out.append((name, grammar.source))
+    return out + [(kind, llguidance.grammar_from(kind, g)) for kind, g in LL_GRAMMARS]  # type: ignore[arg-type]
+
+
+def _mask(m: llguidance.LLMatcher, vocab: int) -> np.ndarray:
+    bits = np.zeros(((vocab + 31) // 32,), np.int32)
+    m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    return np.unpackbits(bits.view(np.uint8), bitorder="little").astype(bool)[:vocab]
+
+
+def test_llguidance_vocabulary_is_the_token_bytes() -> None:
+    """On the bundled tokenizer llguidance reads the same bytes, specials and stops."""
+    tok = vocabularies.smollm2()
+    lt = ll_tokenizer(tok)
+    assert lt is ll_tokenizer(tok)  # built once
+    assert lt.vocab_size == tok.vocab_size and sorted(lt.eos_tokens) == sorted(tok.stop_ids)
+    assert [lt.decode_bytes([i]) for i in range(tok.vocab_size)] == tok.all_token_bytes()
+    assert {i for i in range(tok.vocab_size) if lt.is_special_token(i)} == tok.special_ids
+    if importlib.util.find_spec("transformers") is not None:  # the same as hf.from_tokenizer
+        import llguidance.hf
+        from tokenizers import Tokenizer as HFTokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=HFTokenizer.from_str(tok.to_hf_tokenizer_json()))
+        ref = llguidance.hf.from_tokenizer(hf, n_vocab=tok.vocab_size,
+                                           eos_token=sorted(tok.stop_ids))
+        for i in range(tok.vocab_size):
+            assert ref.decode_bytes([i]) == lt.decode_bytes([i])
+            assert ref.is_special_token(i) == lt.is_special_token(i)
+
+
+def test_llguidance_vocabulary_gives_the_same_masks() -> None:
+    """Random walks through each grammar: at every step both vocabularies allow the same
+    tokens (bundled SmolLM2; byte-level llama.cpp vocabularies too when cached)."""
+    names = ["smollm2", *(n for n in vocabularies.llama_cpp_vocabs()
+                          if n in ("llama-bpe", "qwen2"))]
+    for name in names:
+        tok = vocabularies.by_name(name)
+        ours, theirs = ll_tokenizer(tok), _byte_vocab_tokenizer(tok)
+        rng = np.random.default_rng(0)
+        steps = 0
+        for grammar, source in _sources(tok):
+            for _ in range(4):
+                a = llguidance.LLMatcher(ours, source, log_level=0)
+                b = llguidance.LLMatcher(theirs, source, log_level=0)
+                for _ in range(60):
+                    if a.is_stopped():
+                        break
+                    ma, mb = _mask(a, tok.vocab_size), _mask(b, tok.vocab_size)
+                    assert (ma == mb).all(), (name, grammar, np.nonzero(ma != mb)[0][:8])
+                    steps += 1
+                    token = int(rng.choice(np.nonzero(ma)[0]))
+                    assert a.consume_token(token) and b.consume_token(token), (name, grammar)
+                assert not a.is_error() and not b.is_error()
+        assert steps > 100, name
+
+
+@pytest.mark.parametrize("name", ["spm-prefix", *(n for n in vocabularies.llama_cpp_vocabs()
+                                                  if n == "llama-spm")])
+def test_llguidance_vocabulary_on_sentencepiece_with_a_space_prefix(name: str) -> None:
+    """Where SentencePiece adds its "▁" prefix, our encoder tokenized llguidance's forced text
+    wrong ("{" as "▁{"): the hand-built vocabulary let a JSON object start with a space or put
+    the matcher in error. llguidance's own tokenizer allows exactly the tokens that start with
+    "{", and a walk through the grammar ends in JSON."""
+    tok = vocabularies.by_name(name)
+    grammar = compile_response_format({"type": "json_object"}, tok)
+    assert grammar is not None
+    old = llguidance.LLMatcher(_byte_vocab_tokenizer(tok), grammar.source, log_level=0)
+    first = np.nonzero(_mask(old, tok.vocab_size))[0]
+    assert old.is_error() or any(not tok.token_bytes(int(i)).startswith(b"{") for i in first)
+
+    row = np.zeros(((tok.vocab_size + 31) // 32,), np.int32)
+    grammar.matcher().fill_mask(row)
+    first = np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0]
+    assert len(first) and all(tok.token_bytes(int(i)).startswith(b"{") for i in first)
+
+    small = {"type": "object", "required": ["a"], "additionalProperties": False,
+             "properties": {"a": {"enum": ["x", "hello world", "é😀"]}}}
+    grammar = compile_response_format(
+        {"type": "json_schema", "json_schema": {"schema": small, "strict": True}}, tok)
+    assert grammar is not None
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        m, out = grammar.matcher(), b""
+        for _ in range(100):
+            if m.stopped:
+                break
+            m.fill_mask(row)
+            allowed = np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0]
+            stop = [int(i) for i in allowed if int(i) in grammar.stop_ids]
+            token = stop[0] if stop else int(rng.choice(allowed))
+            assert m.consume(token) and m.error is None
+            out += b"" if token in grammar.stop_ids else tok.token_bytes(token)
+        assert m.stopped
+        assert json.loads(out.decode())["a"] in small["properties"]["a"]["enum"], out
 
 
 # ---- over HTTP, with the official client ---------------------------------------------------

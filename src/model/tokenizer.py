@@ -360,7 +360,8 @@ class Tokenizer:
         return [self.token_bytes(i) for i in range(self.vocab_size)]
 
     def to_hf_tokenizer_json(self) -> str:
-        """Serialized ``tokenizer.json`` so exported models load in transformers."""
+        """Serialized ``tokenizer.json``: what exported models ship for transformers, and what
+        llguidance builds its grammar vocabulary from (`runtime.grammar.ll_tokenizer`)."""
         return self._tk.to_str()
 
 

@@ -5,10 +5,12 @@
     logits = apply_masks(logits, rows, [matcher, ...])    # in the fused step, before sampling
     matcher.consume(token)                    # after sampling
 
-The llguidance tokenizer (the vocabulary as bytes plus a token trie) costs a fraction of a
-second to build, so it is built once per slotserve tokenizer and cached. A grammar is compiled
-and checked when the request is made (a bad schema is refused before anything runs); each request
-then starts from a copy of the compiled matcher.
+The llguidance tokenizer (the vocabulary as bytes plus a token trie) is llguidance's own, read
+from the tokenizer's `tokenizer.json` as `llguidance.hf.from_tokenizer` does (without its
+transformers wrapper). It costs from a fraction of a second to a few seconds to build, so it is
+built once per slotserve tokenizer and cached. A grammar is compiled and checked when the
+request is made (a bad schema is refused before anything runs); each request then starts from a
+copy of the compiled matcher.
 
 Masks only ever touch the constrained rows: those rows are gathered, disallowed tokens set to
 -inf, and scattered back, so every other row's logits keep their exact bits.
@@ -45,22 +47,6 @@ _cache: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = (
 _cache_lock = threading.Lock()
 
 
-class _Vocab:
-    """What llguidance's TokenizerWrapper reads from a tokenizer: token bytes and an encoder."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_id
-        self.bos_token_id = tokenizer.bos_id
-        self.tokens = tokenizer.all_token_bytes()
-        self.special_token_ids = sorted(tokenizer.special_ids)
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._tokenizer.encode(text, add_special=False)
-
-
 _MAX_ERROR = 500  # characters of an llguidance message that a response may carry
 
 
@@ -74,14 +60,23 @@ def public_error(message: str) -> str:
 
 
 def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
-    """The llguidance tokenizer for a slotserve Tokenizer, built once and cached."""
+    """The llguidance tokenizer for a slotserve Tokenizer, built once and cached.
+
+    llguidance reads the HF `tokenizer.json` itself, so it knows the pre-tokenizer and the
+    decoder. On the bundled SmolLM2 (and Llama 3 and Qwen2 vocabularies) its token bytes,
+    special tokens and masks are those of the vocabulary slotserve built by hand from
+    `Tokenizer.token_bytes`; on SentencePiece with a "▁" space prefix it also tokenizes the
+    grammar's forced text right, where the hand-built one, tokenizing "{" as "▁{", let a JSON
+    object start with a space or put the matcher in error (tests/test_structured.py). Every
+    stop token ends a grammar.
+    """
     with _cache_lock:
         cached = _cache.get(tokenizer)
         if cached is None:
             eos = sorted(tokenizer.stop_ids) or tokenizer.eos_id
             import llguidance
 
-            cached = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(tokenizer)),
+            cached = llguidance.LLTokenizer(tokenizer.to_hf_tokenizer_json(),
                                             n_vocab=tokenizer.vocab_size, eos_token=eos)
             _cache[tokenizer] = cached
             log.info("grammar tokenizer built", vocab=cached.vocab_size, eos=cached.eos_tokens)
