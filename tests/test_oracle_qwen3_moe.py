@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from slotserve.model import layers
-from slotserve.model.layers import GROUP_MIN_PAIRS, Batch, SparseMoE
+from slotserve.model.layers import Batch
+from slotserve.model.moe import GROUP_MIN_PAIRS, SparseMoE
 from slotserve.runtime.plain import greedy_tokens
 
 from model_checks import hf_greedy

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from slotserve.model import layers
+from slotserve.model import decoder, layers
 from slotserve.model.config import ModelConfig
 from slotserve.model.family import Family
 from slotserve.model.weights import Tensor
@@ -140,7 +140,7 @@ class Block(layers.Layer):
                 self.post_mlp_norm]
 
 
-class Model(layers.Decoder):
+class Model(decoder.Decoder):
     """Gemma 3 over a row batch; the lm_head is the (unscaled) embedding table."""
 
     def __init__(self, cfg: Config, w: dict[str, Tensor], dtype: mx.Dtype,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from slotserve.model import layers
+from slotserve.model import decoder, layers
 from slotserve.model.config import ModelConfig
 from slotserve.model.family import Family
 from slotserve.model.weights import Tensor
@@ -43,7 +43,7 @@ class MLP(layers.GatedMLP):
                          w[f"{p}.down_proj.weight"], layers.silu, dtype, quant)
 
 
-class Block(layers.PreNormBlock):
+class Block(decoder.PreNormBlock):
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, rope: layers.Rope,
                  dtype: mx.Dtype, quant: bool) -> None:
         p = f"model.layers.{i}"
@@ -53,10 +53,10 @@ class Block(layers.PreNormBlock):
                          rms_norm(w, f"{p}.post_attention_layernorm", cfg, dtype))
 
 
-class Model(layers.Decoder):
-    """Llama over a row batch; see slotserve.model.layers."""
+class Model(decoder.Decoder):
+    """Llama over a row batch; see slotserve.model.decoder."""
 
-    block_class: Callable[..., layers.PreNormBlock] = Block
+    block_class: Callable[..., decoder.PreNormBlock] = Block
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], dtype: mx.Dtype,
                  quant: bool) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 import slotserve.model.families.llama as llama
-from slotserve.model import layers
+from slotserve.model import decoder, layers
 from slotserve.model.config import ModelConfig
 from slotserve.model.family import Family
 from slotserve.model.weights import Tensor
@@ -33,7 +33,7 @@ class Attention(layers.Attention):
         )
 
 
-class Block(layers.PreNormBlock):
+class Block(decoder.PreNormBlock):
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], i: int, rope: layers.Rope,
                  dtype: mx.Dtype, quant: bool) -> None:
         p = f"model.layers.{i}"
@@ -44,7 +44,7 @@ class Block(layers.PreNormBlock):
 
 
 class Model(llama.Model):
-    """Qwen3 over a row batch; see slotserve.model.layers."""
+    """Qwen3 over a row batch; see slotserve.model.decoder."""
 
     block_class = Block
 

@@ -2,7 +2,7 @@
 
 The router scores all experts (softmax in float32), keeps the top k per row and, when the
 config says so, renormalizes those k weights to sum to one; the row's output is the
-weighted sum of its k experts' SwiGLU outputs (layers.SparseMoE). Layers that are not
+weighted sum of its k experts' SwiGLU outputs (moe.SparseMoE). Layers that are not
 sparse (`mlp_only_layers`, `decoder_sparse_step`) keep a dense MLP.
 """
 
@@ -16,7 +16,7 @@ import mlx.core as mx
 
 import slotserve.model.families.llama as llama
 import slotserve.model.families.qwen3 as qwen3
-from slotserve.model import layers
+from slotserve.model import decoder, layers, moe
 from slotserve.model.config import ModelConfig
 from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.family import Family
@@ -126,17 +126,17 @@ def unstack_experts(tensors: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class Block(layers.PreNormBlock):
+class Block(decoder.PreNormBlock):
     """Qwen3's block; its MLP is the experts on sparse layers, llama's MLP on the others."""
 
     def __init__(self, cfg: Config, w: dict[str, Tensor], i: int, rope: layers.Rope,
                  dtype: mx.Dtype, quant: bool) -> None:
         p = f"model.layers.{i}"
         attn = qwen3.Attention(cfg, w, f"{p}.self_attn", i, rope, dtype, quant)
-        mlp: layers.FeedForward
+        mlp: decoder.FeedForward
         if cfg.is_sparse(i):
             gate_up, down = expert_weights(w, f"{p}.mlp")
-            mlp = layers.SparseMoE(w[f"{p}.mlp.gate.weight"], gate_up, down,
+            mlp = moe.SparseMoE(w[f"{p}.mlp.gate.weight"], gate_up, down,
                                    inter=cfg.moe_intermediate_size, top_k=cfg.experts_per_token,
                                    norm_topk=cfg.norm_topk_prob, dtype=dtype,
                                    keep_quantized=quant)
@@ -147,7 +147,7 @@ class Block(layers.PreNormBlock):
 
 
 class Model(llama.Model):
-    """Qwen3-MoE over a row batch; see slotserve.model.layers."""
+    """Qwen3-MoE over a row batch; see slotserve.model.decoder."""
 
     block_class = Block
 
