@@ -85,30 +85,28 @@ class PreNormBlock(Layer):
     _native: NativeBlock | None | bool = False
 
     def _native_form(self) -> NativeBlock | None:
+        """None unless block.c computes exactly this block: this class's __call__, attention
+        and a SwiGLU MLP on the CPU kernels, no window, RMS norms of one eps (the q/k head
+        norms too, if any) and widths the kernels take (multiples of 16)."""
         a, m = self.attn, self.mlp
-        norms = (self.in_norm, self.post_norm, a.q_norm, a.k_norm)
-        rms = [n for n in norms if n is not None]
-        if not (type(self).__call__ is PreNormBlock.__call__ and isinstance(m, GatedMLP)
-                and m.backend is Backend.CPU and a.backend is Backend.CPU and a.window is None
-                and all(isinstance(n, RMSNorm) for n in rms)
-                and len({n.eps for n in rms}) == 1  # type: ignore[union-attr]
-                and (a.q_norm is None or a.head_dim % 16 == 0)):
+        if (type(self).__call__ is not PreNormBlock.__call__ or not isinstance(m, GatedMLP)
+                or m.backend is not Backend.CPU or a.backend is not Backend.CPU
+                or a.window is not None):
             return None
-        in_norm, post_norm = self.in_norm, self.post_norm
-        assert isinstance(in_norm, RMSNorm) and isinstance(post_norm, RMSNorm)
-        if in_norm.weight.shape[0] % 16:
+        norms = [n for n in (self.in_norm, self.post_norm, a.q_norm, a.k_norm) if n is not None]
+        rms = [n for n in norms if isinstance(n, RMSNorm)]
+        if len(rms) < len(norms) or len({n.eps for n in rms}) != 1:
             return None
-        kernels = (a.qkv.kernel, a.o.kernel, m.gate_up.kernel, m.down.kernel)
-        mats = [k.descriptor() if k is not None else None for k in kernels]
-        if None in mats:
+        if rms[0].weight.shape[0] % 16 or (len(rms) > 2 and a.head_dim % 16):
             return None
-
-        def host(n: Norm | None) -> np.ndarray | None:
-            return None if n is None else cpu_gemm.to_host(
-                n.weight.astype(mx.float32))[0]  # type: ignore[attr-defined]
-
-        return NativeBlock(tuple(mats), host(in_norm), host(post_norm),  # type: ignore[arg-type]
-                           host(a.q_norm), host(a.k_norm), in_norm.eps)
+        kernels = [a.qkv.kernel, a.o.kernel, m.gate_up.kernel, m.down.kernel]
+        mats = [k.descriptor() for k in kernels if k is not None]
+        if len(mats) < len(kernels) or any(d is None for d in mats):
+            return None  # a float matrix whose K the kernel pads (block.c does not)
+        weights = [cpu_gemm.to_host(n.weight.astype(mx.float32))[0] for n in rms]
+        heads = (weights[2], weights[3]) if len(weights) > 2 else (None, None)
+        return NativeBlock(tuple(d for d in mats if d is not None), weights[0], weights[1],
+                           *heads, rms[0].eps)
 
     def host(self, lib: ctypes.CDLL, x: np.ndarray, batch: Batch) -> np.ndarray:
         """The block on host rows x (updated in place), in one native call (block.c): the
