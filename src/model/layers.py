@@ -619,9 +619,10 @@ class Attention(Layer):
         batch.effects.append(out)  # its K/V writes must run even if no logits are asked
         return out
 
-    def _rotated(self, qkv: mx.array, batch: Batch) -> tuple[mx.array, mx.array, mx.array]:
-        """q and k (each head normed first when the family norms them) rotated by their rows'
-        positions, and v; each [R, heads, head_dim]. Then K/V are written into the pool."""
+    def _write_rotated(self, qkv: mx.array, batch: Batch) -> mx.array:
+        """Rotate q and k by their rows' positions (each head normed first when the family
+        norms them), write the rows' K/V into the pool (one scatter each) and return q
+        [R, heads, head_dim]."""
         q, k, v = self._split(qkv)
         if self.q_norm is not None:
             assert self.k_norm is not None
@@ -633,11 +634,11 @@ class Attention(Layer):
         n = batch.rows
         pool.keys[self.layer][batch.write_rows] = k[:n] if k.shape[0] > n else k
         pool.values[self.layer][batch.write_rows] = v[:n] if v.shape[0] > n else v
-        return q, k, v
+        return q
 
     def _cpu_kernel(self, qkv: mx.array, batch: Batch) -> mx.array:
         """slotserve's CPU attention kernel, reading each slot's K/V in place in the pool."""
-        q, _, _ = self._rotated(qkv, batch)
+        q = self._write_rotated(qkv, batch)
         pool, lib = batch.pool, native.library()
         assert pool is not None and lib is not None and batch.native is not None
         out = cpu_attention.attend(lib, q, pool.keys[self.layer], pool.values[self.layer],
@@ -647,7 +648,7 @@ class Attention(Layer):
     def _mlx_ops(self, qkv: mx.array, batch: Batch) -> mx.array:
         """MLX ops (slotserve.kernels.attention): all decode rows of one key span in one
         batched dispatch, each prefill chunk over its own slot's positions."""
-        q, _, _ = self._rotated(qkv, batch)
+        q = self._write_rotated(qkv, batch)
         pool = batch.pool
         assert pool is not None
         keys, values = pool.key_blocks(self.layer), pool.value_blocks(self.layer)
