@@ -21,14 +21,7 @@ from quart import Response
 from slotserve.actors.messages import Delta
 from slotserve.api.errors import APIError, dumps
 from slotserve.api.generation import ChatRun, engine_failure, start_chat, stream_response
-from slotserve.api.schemas import (
-    AnthropicMessage,
-    MessagesBody,
-    TextBlock,
-    ToolResultBlock,
-    joined,
-    validated,
-)
+from slotserve.api.schemas import AnthropicMessage, MessagesBody, joined, validated
 from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tools import CLOSE, OPEN, ToolCall, ToolChoice
@@ -85,7 +78,7 @@ class MessagesRequest:
 def parse_messages(body: dict[str, Any]) -> MessagesRequest:
     """A request body (see `schemas.MessagesBody`) -> the request; a mistake is a 400."""
     b = validated(MessagesBody, body)
-    tools = [t.openai() for t in b.tools or []] or None
+    tools = b.openai_tools()
     return MessagesRequest(messages=b.messages, max_tokens=b.max_tokens, model=b.model,
                            system=None if b.system is None else joined(b.system),
                            stream=b.stream, tools=tools, tool_choice=b.tool_choice_for(tools),
@@ -108,16 +101,16 @@ def chat_messages(req: MessagesRequest, inline_calls: bool) -> tuple[list[dict[s
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         for block in m.content:
-            if isinstance(block, TextBlock):
-                texts.append(block.text)
-            elif isinstance(block, ToolResultBlock):
-                text = joined(block.content)
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": f"Error: {text}" if block.is_error else text})
+            if block["type"] == "text":
+                texts.append(block["text"])
+            elif block["type"] == "tool_result":
+                text = joined(block.get("content", []))
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": f"Error: {text}" if block.get("is_error") else text})
             else:  # tool_use
-                calls.append({"id": block.id, "type": "function", "function": {
-                    "name": block.name,
-                    "arguments": json.dumps(block.input, ensure_ascii=False)}})
+                calls.append({"id": block["id"], "type": "function", "function": {
+                    "name": block["name"],
+                    "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
         text = "".join(texts) if m.role == "assistant" else "\n".join(texts)
         if m.role == "assistant" and i == last and not calls:
             prefill = text
