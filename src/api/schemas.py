@@ -381,9 +381,9 @@ class ResponseFormat(Wire):
         """The engine's `response_format` option (None: plain text)."""
         if self.type == "text":
             return None
-        if self.json_schema is None:
-            return {"type": "json_object"}
         spec = self.json_schema
+        if self.type == "json_object" or spec is None:
+            return {"type": "json_object"}
         return {"type": "json_schema", "json_schema": {
             "name": spec.name, "schema": spec.schema_, "strict": spec.strict}}
 
