@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-slots", type=int, default=8)
     s.add_argument("--max-queue", type=int, default=64)
+    s.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                   help="answer a request still waiting for a slot after this long with 429 "
+                        "and Retry-After (default 600; 0 waits without bound)")
     s.add_argument("--kv-budget", default=None,
                    help="KV cache budget, bytes or with a unit (e.g. 2GiB, 512MiB)")
     s.add_argument("--prefill-budget", type=int, default=256)

@@ -27,7 +27,15 @@ import structlog
 from slotserve import settings
 from slotserve.actors.admission import CACHE_SCOPES, Admission, namespace_for
 from slotserve.actors.batcher import Batcher
-from slotserve.actors.messages import Assign, Cancel, Delta, GenerationRequest, TokenLogprob, Usage
+from slotserve.actors.messages import (
+    Assign,
+    Cancel,
+    Delta,
+    GenerationRequest,
+    StepFailed,
+    TokenLogprob,
+    Usage,
+)
 from slotserve.actors.session import Session
 from slotserve.actors.slot import Slot
 from slotserve.model.chat_template import ChatTemplate
@@ -42,6 +50,10 @@ log = structlog.get_logger("slotserve.engine")
 
 class EngineClosedError(RuntimeError):
     """The engine is shutting down and takes no new requests."""
+
+
+class EngineFailedError(EngineClosedError):
+    """The engine's step loop crashed: it takes no requests and must be started afresh."""
 
 
 @dataclass
@@ -107,6 +119,10 @@ class Engine:
         self.sessions: dict[str, Session] = {}
         self.ready = False
         self.closing = False
+        # why the engine failed (its step loop crashed), None while it is healthy; a failed
+        # engine takes no requests and is only shut down (see `_supervise`)
+        self.failure: str | None = None
+        self._failed: anyio.Event | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._ids = itertools.count()
         self.started_at = time.time()
@@ -160,10 +176,11 @@ class Engine:
             max_parked=cfg.max_slots if cfg.max_parked is None else cfg.max_parked,
         )
         self._stop = anyio.Event()
+        self._failed = anyio.Event()
         started = anyio.Event()
         self._host_task = asyncio.get_running_loop().create_task(self._host(started))
         await started.wait()
-        self.ready = True
+        self.ready = self.failure is None  # the step loop may have crashed at once
         log.info("engine ready", slots=cfg.max_slots, kv_budget=self.admission.kv_budget,
                  bytes_per_token=bpt, context=lm.config.max_position, device=lm.device)
         return self
@@ -176,11 +193,78 @@ class Engine:
         assert self.batcher is not None
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            tg.start_soon(self.batcher.run)
+            tg.start_soon(self._supervise, self.batcher)
             started.set()
             await self._stop.wait()
             tg.cancel_scope.cancel()
         self._tg = None
+
+    async def _supervise(self, batcher: Batcher) -> None:
+        """Run the Batcher's stepping loop, the one long-lived actor task; if it ever ends,
+        the engine fails.
+
+        Every other actor handles messages in loop callbacks that contain their own errors
+        (actors.base), and a step's errors fail only that step's requests (Batcher._step). An
+        exception that escapes `Batcher.run` is outside both: a bug in the Batcher's own
+        bookkeeping. It is not restarted: a restarted loop would start from offers and
+        awaited answers that may be lost or half-updated (slots left waiting for a step that
+        will never answer, or answered twice), and from a runner whose pipelined forward may
+        refer to KV that no step finished writing. The only state known to be right is a
+        fresh process; a model load costs seconds, so the engine fails every request
+        (`_fail`), /health says why, and `slotserve serve` exits non-zero for its supervisor
+        to start it again.
+        """
+        try:
+            await batcher.run()
+        except Exception as exc:
+            log.exception("the step loop crashed; the engine takes no more requests")
+            self._fail(f"the step loop crashed ({type(exc).__name__}: {exc})")
+        else:  # run() loops for ever: returning is as wrong as raising
+            log.error("the step loop ended; the engine takes no more requests")
+            self._fail("the step loop ended")
+
+    def _fail(self, reason: str) -> None:
+        """Mark the engine failed and end every request with an error that says why: the
+        queued ones at once, the running ones through their slots (a StepFailed, as for a
+        failed step: the slot finishes its request and frees itself)."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self.ready = False
+        self.closing = True  # submit refuses from here on
+        error = f"the engine failed: {reason}"
+        adm = self.admission
+        if adm is not None:
+            for w in list(adm.queue):
+                adm.queue.remove(w)
+                sess = self.sessions.get(w.request.request_id)
+                if sess is not None:
+                    sess.fail("error", error)
+        for s in self.slots:
+            if s.busy:
+                try:
+                    s.tell(StepFailed(s.epoch, error))
+                except Exception:  # a full mailbox: that slot's request is failed at shutdown
+                    log.exception("could not fail a slot's request", slot=s.id)
+        if self._failed is not None:
+            self._failed.set()
+
+    async def wait_failed(self) -> str:
+        """Wait until the engine fails (never, if it stays healthy); returns why."""
+        assert self._failed is not None, "the engine is not started"
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
+
+    def would_queue_overflow(self) -> bool:
+        """Whether a request submitted now would find the queue full (a 429): readable before
+        anything costly (rendering, tokenizing, grammar compilation) is done for it."""
+        adm = self.admission
+        return adm is not None and len(adm.queue) >= adm.max_queue
+
+    def retry_after(self) -> int:
+        """Seconds a refused or timed-out client should wait, from the observed finish rate."""
+        return self.admission.retry_after() if self.admission is not None else 1
 
     async def shutdown(self, deadline: float | None = None) -> None:
         """Stop admitting; let in-flight requests finish until the deadline, then end them."""
@@ -196,6 +280,8 @@ class Engine:
             if sess is not None:
                 sess.fail("error", "server shutting down")
         limit = self.config.shutdown_deadline if deadline is None else deadline
+        if self.failure is not None:  # nothing is stepping: waiting would only delay the exit
+            limit = 0.0
         with anyio.move_on_after(limit):
             while any(s.busy for s in self.slots):
                 await anyio.sleep(0.02)

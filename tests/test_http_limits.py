@@ -285,3 +285,113 @@ def test_refusal_does_not_stall_a_stream(srv: BackgroundServer) -> None:
           f"{', '.join(f'{t:.3f}' for t in took)} s); median gap "
           f"{statistics.median(g for _, g in gaps):.4f} s")
     assert min(worst) < 2 * baseline + 0.1, (worst, baseline)
+
+
+# ---- the queue: full is refused first, a wait is bounded --------------------------------------
+
+LONG_STREAM = {"messages": HI, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+
+async def _hold(c: httpx.AsyncClient, n: int) -> list[Any]:
+    """Open `n` long streams and wait for their response headers (each admitted or queued)."""
+    held = []
+    for _ in range(n):
+        ctx = c.stream("POST", "/v1/chat/completions", json=LONG_STREAM)
+        r = await ctx.__aenter__()
+        assert r.status_code == 200
+        held.append(ctx)
+    return held
+
+
+async def _release(held: list[Any]) -> None:
+    for ctx in reversed(held):
+        await ctx.__aexit__(None, None, None)
+
+
+def test_queue_full_is_refused_before_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the queue full, a 429 (with Retry-After) comes before the prompt is rendered,
+    tokenized or its grammar compiled, on every generation route."""
+    from slotserve.api import generation
+
+    server = BackgroundServer(create_app(EngineConfig(max_slots=1, max_queue=1))).start()
+    engine = server.state.engine
+    assert engine is not None
+    work: list[str] = []
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            work.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    try:
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                held = await _hold(c, 2)  # one running, one queued: the queue is full
+                assert (await c.get("/slots")).json()["kv"]["queued"] == 1
+                monkeypatch.setattr(engine, "render_chat", counted("render", engine.render_chat))
+                monkeypatch.setattr(engine.tokenizer, "encode",
+                                    counted("tokenize", engine.tokenizer.encode))
+                monkeypatch.setattr(generation, "compile_response_format",
+                                    counted("grammar", generation.compile_response_format))
+                fmt = {"type": "json_object"}
+                for path, body in (
+                        ("/v1/chat/completions", {"messages": HI, "response_format": fmt}),
+                        ("/v1/completions", {"prompt": "Hello", "response_format": fmt}),
+                        ("/v1/messages", {"model": "default", "max_tokens": 4,
+                                          "messages": HI})):
+                    r = await c.post(path, json=body)
+                    assert r.status_code == 429, (path, r.text)
+                    assert int(r.headers["Retry-After"]) >= 1
+                assert work == []
+                await _release(held)
+                # with room again the same request does that work (so the counting works)
+                r = await c.post("/v1/chat/completions",
+                                 json={"messages": HI, "response_format": fmt, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                assert "render" in work and "grammar" in work
+
+        asyncio.run(run())
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'slotserve_rejections_total{reason="queue_full"} 3.0' in metrics
+    finally:
+        server.stop()
+
+
+def test_queue_timeout() -> None:
+    """A request still waiting for a slot after the queue timeout is taken out of the queue
+    and answered 429 with Retry-After (a stream: an error event); the running one goes on."""
+    server = BackgroundServer(create_app(EngineConfig(max_slots=1, max_queue=4),
+                                         queue_timeout=0.5)).start()
+    engine = server.state.engine
+    assert engine is not None
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            held = await _hold(c, 1)  # the only slot
+            started = time.monotonic()
+            plain, streamed = await asyncio.gather(
+                c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4}),
+                c.post("/v1/chat/completions", json={**LONG_STREAM, "max_tokens": 4}))
+            waited = time.monotonic() - started
+            assert 0.5 <= waited < 10, waited
+            assert plain.status_code == 429, plain.text
+            err = plain.json()["error"]
+            assert err["code"] == "queue_timeout" and "queue timeout" in err["message"]
+            assert int(plain.headers["Retry-After"]) >= 1
+            assert streamed.status_code == 200
+            events = [json.loads(x[6:]) for x in streamed.text.splitlines()
+                      if x.startswith("data: {")]
+            assert events[-1]["error"]["code"] == "queue_timeout", events[-1]
+            assert not any(e.get("choices") and e["choices"][0]["delta"].get("content")
+                           for e in events)
+            assert not engine.admission.queue
+            assert sum(s.busy for s in engine.slots) == 1  # the running stream goes on
+            await _release(held)
+
+    try:
+        asyncio.run(run())
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'slotserve_rejections_total{reason="queue_timeout"} 2.0' in metrics
+    finally:
+        server.stop()

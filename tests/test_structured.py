@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import llguidance
 import mlx.core as mx
 import numpy as np
@@ -126,10 +127,27 @@ def test_masks_touch_only_their_rows(harness: EngineHarness) -> None:
     assert all(harness.engine.tokenizer.decode([int(t)]).startswith("{") for t in allowed)
 
 
+# schemas whose every instance is infinite: the forced text ({"a": {"a": ..., [[[...) has no end.
+# llguidance validates them and computes their forced text only as far as its parser limits go;
+# the first step of a request then failed with "Too many items" (a 500 mid-generation). They are
+# refused when the request is made (Grammar._first_step).
+ENDLESS = [
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                     "required": ["next"]}}, "$ref": "#/$defs/n"},
+]
+# a number, or an endless object: it fails only once generation takes the object branch
+ENDLESS_BRANCH = {"$defs": ENDLESS[2]["$defs"],
+                  "anyOf": [{"type": "integer"}, {"$ref": "#/$defs/n"}]}
+
+
 @pytest.mark.parametrize("fmt, needle", [
     ({"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}, "wat"),
     ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nope"}}}, "nope"),
     ({"type": "yaml"}, "yaml"),
+    *[({"type": "json_schema", "json_schema": {"schema": schema}}, "cannot be followed")
+      for schema in ENDLESS],
 ])
 def test_bad_schema_is_refused(harness: EngineHarness, fmt: dict[str, Any], needle: str) -> None:
     engine = harness.engine
@@ -315,6 +333,8 @@ def test_http_json_schema_stream_and_not(client: openai.OpenAI) -> None:
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "schema"),
     ({"type": "json_schema"}, "json_schema"),
     ({"type": "yaml"}, "yaml"),
+    *[({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+       "cannot be followed") for schema in ENDLESS],
 ])
 def test_http_bad_schema_400(client: openai.OpenAI, fmt: dict[str, Any], needle: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
@@ -323,3 +343,31 @@ def test_http_bad_schema_400(client: openai.OpenAI, fmt: dict[str, Any], needle:
     err = info.value.body
     assert info.value.status_code == 400 and err["param"] == "response_format"
     assert needle in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_grammar_failing_mid_generation_is_a_400(client: openai.OpenAI,
+                                                      stream: bool) -> None:
+    """A grammar that passes the checks and then fails while generating (here: the bias makes
+    the reply take the endless branch) ends its request with a 400 that names
+    response_format, or an error event in a stream: the caller's schema, never a 500."""
+    tok = vocabularies.smollm2()
+    bias = {str(t): 100 for text in ("{", '{"') for t in tok.encode(text, add_special=False)}
+    args: dict[str, Any] = dict(
+        model="default", messages=PERSON_Q, temperature=0, max_tokens=30, logit_bias=bias,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "x", "schema": ENDLESS_BRANCH}})
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**args)
+        err = info.value.body
+        assert err["code"] == "response_format_failed" and err["param"] == "response_format"
+        assert "Too many items" in err["message"] and "<state>" not in err["message"]
+        return
+    with httpx.stream("POST", str(client.base_url) + "chat/completions",
+                      json={**args, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    err = events[-1]["error"]
+    assert err["code"] == "response_format_failed" and err["param"] == "response_format"

@@ -4,7 +4,8 @@
     await serve(app, host="127.0.0.1", port=8000)      # slotserve.api.server
 
 The engine loads in the background once serving starts (GET /health answers 503 until it is
-ready) and drains when serving stops.
+ready, and again, with the reason, if the engine fails) and drains when serving stops. The app
+runs behind `disconnect.ClientWatch`, which tells each request when its client goes away.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from slotserve.api import anthropic, generation
+from slotserve.api.disconnect import ClientWatch
 from slotserve.api.errors import HTTP_ERRORS, APIError, error_body, json_response
 from slotserve.api.keys import APIKeys, as_api_keys
 from slotserve.api.schemas import openapi_document, parse_body, parse_chat, parse_completion
@@ -50,18 +52,23 @@ async def drain_refused_body() -> None:
 def create_app(engine_config: EngineConfig | None = None,
                api_key: str | Iterable[str] | APIKeys | None = None, *,
                keepalive_interval: float = 15.0, max_body_bytes: int = 8 * 2**20,
-               model_id: str | None = None) -> Quart:
+               model_id: str | None = None, queue_timeout: float | None = 600.0) -> Quart:
     """Build the app; nothing loads until it is served (see `app_state(app)` for the engine).
 
     `api_key`: the accepted key, several (any of them is accepted), or None for no auth.
+    `queue_timeout`: seconds a request may wait for a slot before it is answered 429 (None:
+    no bound).
     """
     settings = Settings(api_keys=as_api_keys(api_key), keepalive_interval=keepalive_interval,
-                        max_body_bytes=max_body_bytes)
+                        max_body_bytes=max_body_bytes, queue_timeout=queue_timeout)
     state = AppState(engine_config or EngineConfig(), settings, model_id)
     app = Quart("slotserve")
     app.config.update(MAX_CONTENT_LENGTH=max_body_bytes, RESPONSE_TIMEOUT=None,
                       PROVIDE_AUTOMATIC_OPTIONS=False)
     app.extensions["slotserve"] = state
+    # in front of Quart: a disconnect reaches the request even when Quart's own cancellation
+    # of the handler is lost (see disconnect.py)
+    app.asgi_app = ClientWatch(app.asgi_app)  # type: ignore[method-assign]
 
     @app.before_serving
     async def start_engine() -> None:
@@ -177,8 +184,13 @@ def create_app(engine_config: EngineConfig | None = None,
 
     @app.get("/health")
     async def health() -> Response:
+        """200 {"status": "ok"} when requests are taken; otherwise 503 with the status
+        (loading, shutting_down, failed) and an OpenAI-style error that says why."""
         status = state.status
-        return json_response({"status": status}, 200 if status == "ok" else 503)
+        if status == "ok":
+            return json_response({"status": status})
+        err = state.unavailable()
+        return json_response({"status": status, **err.body()}, 503, err.headers)
 
     @app.get("/metrics")
     async def metrics() -> Response:

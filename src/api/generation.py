@@ -1,20 +1,27 @@
 """Run one chat or completion request on the engine and answer it as JSON or as SSE.
 
 The request is submitted before any response byte is sent, so a full queue or a prompt that
-does not fit is a proper 429/400, never a broken stream. Reading stops (and the engine frees the
-slot) as soon as the client goes away.
+does not fit is a proper 429/400, never a broken stream. What costs nothing to know is checked
+first: a full queue is a 429 before the prompt is rendered, tokenized or its grammar compiled.
+
+The request is cancelled (and the engine frees its slot) as soon as the client goes away:
+`disconnect.ClientWatch` tells the request's `ClientLink`, whose callback cancels the engine
+request in the same tick, whether the handler is still waiting or already streaming. A request
+still waiting for a slot after `Settings.queue_timeout` is taken out of the queue and answered
+429 with Retry-After (in a stream, an error event).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from quart import Response, g
+from quart import Response, g, has_request_context, request
 
 from slotserve.actors.admission import (
     AdmissionError,
@@ -24,6 +31,7 @@ from slotserve.actors.admission import (
 )
 from slotserve.actors.messages import Delta, TokenLogprob
 from slotserve.actors.session import Session
+from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
 from slotserve.api.limits import chat_texts, refuse_unfit
 from slotserve.api.responses import LogprobFormatter, ResponseIds
@@ -56,12 +64,42 @@ def tenant() -> str | None:
     return None if key is None else f"api-key-{key}"
 
 
+def this_client() -> ClientLink | None:
+    """The current request's link to its client (None outside a request, or for an app that
+    runs without the ClientWatch middleware)."""
+    return client_link(request.scope) if has_request_context() else None
+
+
+def client_gone() -> APIError:
+    """The answer to a request whose client has left. Nobody reads it (ClientWatch drops it):
+    its status, nginx's 499, is for the request log."""
+    return APIError(499, "the client closed the connection", code="client_closed_request")
+
+
+def overloaded(state: AppState, retry_after: int, reason: str = "queue full",
+               code: str = "queue_full") -> APIError:
+    state.metrics.reject(code)
+    return APIError(429, f"server overloaded ({reason}); retry after {retry_after} s",
+                    type="rate_limit_exceeded", code=code,
+                    headers={"Retry-After": str(retry_after)})
+
+
+def refuse_if_queue_full(state: AppState, engine: Engine) -> None:
+    """The 429 of a full queue, known for free: checked before the prompt is rendered,
+    tokenized or its grammar compiled, so that an overloaded server refuses cheaply."""
+    if engine.would_queue_overflow():
+        raise overloaded(state, engine.retry_after())
+
+
 def submit(state: AppState, engine: Engine, prompt_ids: list[int],
            options: dict[str, Any], param: str) -> Session:
     """Build and admit a request; every refusal becomes the matching HTTP error.
 
     The request reuses KV only of requests with its API key (and `cache_salt`), under the
     engine's cache_scope."""
+    link = this_client()
+    if link is not None and link.gone:  # left while the prompt was prepared: run nothing
+        raise client_gone()
     options = {**options, "cache_namespace": tenant()}
     ctx = engine.context_length
     if len(prompt_ids) >= ctx:
@@ -76,9 +114,7 @@ def submit(state: AppState, engine: Engine, prompt_ids: list[int],
     try:
         return engine.submit(request)
     except OverloadedError as exc:
-        state.metrics.reject("queue_full")
-        raise APIError(429, f"{exc}", type="rate_limit_exceeded", code="queue_full",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
+        raise overloaded(state, exc.retry_after) from None
     except ContextOverflowError as exc:
         state.metrics.reject("context_length_exceeded")
         raise APIError(400, str(exc), param="max_tokens",
@@ -88,10 +124,9 @@ def submit(state: AppState, engine: Engine, prompt_ids: list[int],
         raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
     except AdmissionError as exc:
         raise bad_request(str(exc)) from None
-    except EngineClosedError:
-        state.metrics.reject("shutting_down")
-        raise APIError(503, "the server is shutting down", type="server_error",
-                       code="shutting_down") from None
+    except EngineClosedError:  # stopping, or failed since the request came in
+        state.metrics.reject(state.status)
+        raise state.unavailable() from None
 
 
 async def compile_grammar(engine: Engine, options: dict[str, Any]) -> dict[str, Any]:
@@ -107,35 +142,102 @@ async def compile_grammar(engine: Engine, options: dict[str, Any]) -> dict[str, 
     return {**options, "response_format": grammar}
 
 
-async def deltas(engine: Engine, session: Session) -> AsyncGenerator[Delta, None]:
+@dataclass
+class Ended(Delta):
+    """A final delta the API wrote in place of the engine's: the request ended for a reason of
+    the API's own (its wait in the queue ran out), answered as `failure`."""
+
+    failure: APIError | None = None
+
+
+class QueueDeadline:
+    """Ends a request that is still queued (no slot yet) after `seconds`: it is withdrawn
+    from the queue, and its final delta becomes a 429 with Retry-After. A request that has
+    started (or was preempted after starting) is never timed out."""
+
+    def __init__(self, state: AppState, engine: Engine, session: Session,
+                 seconds: float) -> None:
+        self.state, self.engine, self.session = state, engine, session
+        self.seconds = seconds
+        self.expired = False
+        self.retry_after = 1
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        if self.session.slot is not None or self.session.finished:
+            return
+        self.expired = True
+        self.retry_after = self.engine.retry_after()
+        self.engine.cancel(self.session)  # out of the queue; its final delta says cancelled
+
+    def ended(self, final: Delta) -> Ended:
+        failure = overloaded(self.state, self.retry_after,
+                             f"no slot within the queue timeout of {self.seconds:g} s",
+                             code="queue_timeout")
+        return Ended(finish_reason="error", error=failure.message, usage=final.usage,
+                     failure=failure)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+async def deltas(engine: Engine, session: Session,
+                 deadline: QueueDeadline | None = None) -> AsyncGenerator[Delta, None]:
     """The session's deltas up to the final one; closing early cancels the request."""
     finished = False
     try:
         async with session.client:
             async for d in session.client:
                 finished = d.finish_reason is not None
+                if finished and deadline is not None and deadline.expired:
+                    d = deadline.ended(d)
                 yield d
                 if finished:
                     return
         finished = True
         yield Delta(finish_reason="error", error="the request ended without a result")
     finally:
+        if deadline is not None:
+            deadline.cancel()
         if not finished:
             engine.cancel(session)
 
 
 def open_stream(state: AppState, engine: Engine,
                 session: Session) -> AsyncGenerator[Delta, None]:
-    """The request's deltas, metered; dropped unread (client gone before the body started),
-    the request is still cancelled, so its slot is never left waiting for a reader."""
-    stream = state.metrics.observe(deltas(engine, session))
+    """The request's deltas, metered. The request is cancelled when its client goes away
+    (at once, see ClientLink), when the stream is closed early, and when it is dropped unread
+    (client gone before the body started), so its slot is never left waiting for a reader."""
+    timeout = state.settings.queue_timeout
+    deadline = None
+    if timeout is not None and session.slot is None and not session.finished:
+        deadline = QueueDeadline(state, engine, session, timeout)
+    stream = state.metrics.observe(deltas(engine, session, deadline))
     guard = weakref.finalize(stream, engine.cancel, session)  # a no-op once it has finished
     guard.atexit = False
+    link = this_client()
+    if link is not None:
+        link.on_gone(functools.partial(engine.cancel, session))
     return stream
 
 
+# How the engine words the errors that are not a server fault: a grammar its matcher could not
+# follow (the slot's "constrained decoding failed: ..."), and a failed engine (Engine._fail).
+GRAMMAR_FAILED = "constrained decoding failed"
+ENGINE_FAILED = "the engine failed"
+
+
 def engine_failure(final: Delta) -> APIError:
+    """The HTTP error for a request that ended without a result (neither stop nor length)."""
+    if isinstance(final, Ended) and final.failure is not None:
+        return final.failure
+    if final.finish_reason == "cancelled":  # only a client that left cancels over HTTP
+        return client_gone()
     message = final.error or f"generation ended: {final.finish_reason}"
+    if message.startswith(GRAMMAR_FAILED):  # the caller's schema, not a server fault
+        return APIError(400, message, param="response_format", code="response_format_failed")
+    if message.startswith(ENGINE_FAILED):
+        return APIError(503, message, type="server_error", code="failed")
     if "shutting down" in message:
         return APIError(503, message, type="server_error", code="shutting_down")
     return APIError(500, message, type="server_error", code="generation_failed")
@@ -169,6 +271,7 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     `prefill`: text the assistant's reply starts with (already written; not generated).
     """
     engine = state.ready_engine()
+    refuse_if_queue_full(state, engine)
     source = engine.template.source if engine.template is not None else None
     await refuse_unfit(state, engine, chat_texts(messages, prefill, source), "messages")
     tools = tools if choice.mode != "none" else None
@@ -299,7 +402,7 @@ async def _until_final(state: AppState, stream: AsyncGenerator[Delta, None],
 
 def _error_event(final: Delta | None) -> bytes:
     err = engine_failure(final or Delta(finish_reason="error", error="stream ended early"))
-    return event(error_body(err.message, type=err.type, code=err.code))
+    return event(error_body(err.message, type=err.type, param=err.param, code=err.code))
 
 
 # ---- completions ---------------------------------------------------------------------------
@@ -307,6 +410,7 @@ def _error_event(final: Delta | None) -> bytes:
 
 async def completion(state: AppState, req: CompletionRequest) -> Response:
     engine = state.ready_engine()
+    refuse_if_queue_full(state, engine)
     tok = engine.tokenizer
     await refuse_unfit(state, engine, req.prompt, "prompt")
     if isinstance(req.prompt, str):  # text; token ids are the way to send control tokens

@@ -2,7 +2,9 @@
 
 Shutdown order matters: Hypercorn gives open connections only a short grace period, so the
 engine drains first (in-flight streams run to their end or get a clean error chunk) and only
-then does Hypercorn close the listeners.
+then does Hypercorn close the listeners. An engine that fails while serving stops the server
+the same way, at once (a failed engine has nothing left to finish), and `serve` then raises
+`EngineFailedError`: `slotserve serve` exits 1 so that its supervisor starts it afresh.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from slotserve import settings
 from slotserve.api.app import app_state, create_app
 from slotserve.api.keys import ENV, APIKeyError, APIKeys, as_api_keys, load_api_keys
 from slotserve.api.state import AppState, model_id_for
-from slotserve.engine import EngineConfig
+from slotserve.engine import EngineConfig, EngineFailedError
 from slotserve.logs import configure_logging
 
 T = TypeVar("T")
 
 log = structlog.get_logger("slotserve.server")
+
+DEFAULT_QUEUE_TIMEOUT = 600.0  # seconds a request may wait for a slot (--queue-timeout)
+
 
 def hypercorn_config(host: str, port: int, fd: int | None = None,
                      graceful_timeout: float = 10.0) -> Config:
@@ -48,17 +53,23 @@ def hypercorn_config(host: str, port: int, fd: int | None = None,
 
 
 async def serve(app: Quart, *, host: str = "127.0.0.1", port: int = 8000, fd: int | None = None,
-                shutdown_event: asyncio.Event | None = None) -> None:
-    """Serve until `shutdown_event` is set (or SIGINT/SIGTERM when none is given).
+                shutdown_event: asyncio.Event | None = None,
+                stop_on_failure: bool = True) -> None:
+    """Serve until `shutdown_event` is set (or SIGINT/SIGTERM when none is given), or until the
+    engine fails (to load, or while serving), unless `stop_on_failure` is off: the server then
+    answers 503 with the reason (/health included) until it is told to stop.
 
     `fd`: an already bound listening socket to serve on (tests bind port 0 this way).
-    Raises the engine's load error if the model could not be loaded.
+    Raises the engine's load error if the model could not be loaded, and EngineFailedError if
+    the engine failed while serving.
     """
     state = app_state(app)
     stop = shutdown_event or _signal_event()
 
     async def trigger() -> None:
-        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(state.failed.wait())}
+        waits = {asyncio.ensure_future(stop.wait())}
+        if stop_on_failure:
+            waits.add(asyncio.ensure_future(state.failed.wait()))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -70,6 +81,8 @@ async def serve(app: Quart, *, host: str = "127.0.0.1", port: int = 8000, fd: in
     await hypercorn_serve(app, hypercorn_config(host, port, fd), shutdown_trigger=trigger)
     if state.load_error is not None:
         raise state.load_error
+    if state.failure is not None:
+        raise EngineFailedError(f"the engine failed: {state.failure}")
 
 
 def _signal_event() -> asyncio.Event:
@@ -97,7 +110,8 @@ async def run_server(host: str, port: int, engine_config: EngineConfig,
                      log_level: str = "info", **app_options: Any) -> None:
     """The `slotserve serve` entry: configure logs, build the app, serve until a signal.
 
-    `app_options`: create_app's keywords (keepalive_interval, max_body_bytes, model_id).
+    `app_options`: create_app's keywords (keepalive_interval, max_body_bytes, model_id,
+    queue_timeout).
     """
     configure_logging(log_format, log_level)
     app = create_app(engine_config, api_key, **app_options)
@@ -107,7 +121,9 @@ async def run_server(host: str, port: int, engine_config: EngineConfig,
 def main(args: argparse.Namespace) -> int:
     """`slotserve serve` with the CLI's parsed arguments; blocks until SIGINT/SIGTERM.
 
-    Returns 2 at once, with a message on stderr, if a key source is given but unusable.
+    Returns 0 after a signal, 1 if the engine failed to load or failed while serving (or the
+    port is taken), and 2 at once, with a message on stderr, if a key source is given but
+    unusable.
     """
     try:
         keys = load_api_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None),
@@ -129,11 +145,20 @@ def main(args: argparse.Namespace) -> int:
     try:
         asyncio.run(run_server(args.host, args.port, cfg, keys,
                                getattr(args, "log_format", "console"),
-                               getattr(args, "log_level", "info")))
-    except Exception as exc:  # the model failed to load, or the port is taken
+                               getattr(args, "log_level", "info"),
+                               queue_timeout=queue_timeout(getattr(args, "queue_timeout", None))))
+    except Exception as exc:  # no model, a failed engine, a taken port: exit 1, for a supervisor
         log.error("server stopped", error=f"{type(exc).__name__}: {exc}")
         return 1
     return 0
+
+
+def queue_timeout(seconds: float | None) -> float | None:
+    """`--queue-timeout` as the app takes it: None (not given) is the default 600 s, 0 or less
+    is no bound."""
+    if seconds is None:
+        return DEFAULT_QUEUE_TIMEOUT
+    return seconds if seconds > 0 else None
 
 
 def startup_banner(host: str, port: int, api_keys: APIKeys | str | None = None,
@@ -168,8 +193,10 @@ class BackgroundServer:
             httpx.get(srv.url + "/health")
     """
 
-    def __init__(self, app: Quart, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Quart, host: str = "127.0.0.1", port: int = 0,
+                 stop_on_failure: bool = True) -> None:
         self.app = app
+        self.stop_on_failure = stop_on_failure  # off: a failed engine is served as 503s
         self._sock: socket.socket | None = socket.create_server((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -195,7 +222,8 @@ class BackgroundServer:
         async def main() -> None:
             self.loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             started.set()
-            await serve(self.app, fd=fd, shutdown_event=self._stop)
+            await serve(self.app, fd=fd, shutdown_event=self._stop,
+                        stop_on_failure=self.stop_on_failure)
 
         def run() -> None:
             try:

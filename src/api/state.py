@@ -2,14 +2,18 @@
 
 The engine's task group must be entered and left by the same task, and loading takes seconds,
 so a dedicated task loads it (the server answers /health 503 meanwhile), keeps it open, and
-closes it when asked: in-flight requests finish, queued ones end with an error.
+closes it when asked: in-flight requests finish, queued ones end with an error. An engine that
+fails to load, or fails while serving (its step loop crashed), sets `failed`: the server then
+stops and `slotserve serve` exits non-zero, so that a process supervisor starts it afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -28,6 +32,9 @@ class Settings:
     api_keys: APIKeys = field(default_factory=APIKeys)  # empty: no auth
     keepalive_interval: float = 15.0  # seconds between SSE comments while nothing is sent
     max_body_bytes: int = 8 * 2**20
+    # seconds a request may wait in the queue before it is answered 429 + Retry-After
+    # (None: no bound)
+    queue_timeout: float | None = 600.0
 
 
 def model_id_for(model: str | Path | None) -> str:
@@ -73,9 +80,13 @@ class AppState:
                 assert engine.template is not None
                 self.template_lists_tools = "tools" in engine.template.source
                 log.info("serving", model=self.model_id)
-                await stop.wait()
-                log.info("shutting down: finishing in-flight requests",
-                         running=engine.kv_summary()["running"])
+                await _first(stop.wait(), engine.wait_failed())
+                if engine.failure is not None:  # the server stops: see `failed`
+                    log.error("engine failed: stopping", reason=engine.failure)
+                    self.failed.set()
+                else:
+                    log.info("shutting down: finishing in-flight requests",
+                             running=engine.kv_summary()["running"])
         except Exception as exc:
             self.load_error = exc
             log.error("engine failed", error=str(exc), exc_info=exc)
@@ -99,9 +110,16 @@ class AppState:
     # ---- per request -----------------------------------------------------------------------
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine failed (to load, or while serving), or None."""
+        if self.load_error is not None:
+            return str(self.load_error)
+        return self.engine.failure if self.engine is not None else None
+
+    @property
     def status(self) -> str:
         eng = self.engine
-        if self.load_error is not None:
+        if self.failure is not None:
             return "failed"
         if self.draining or (eng is not None and eng.closing):
             return "shutting_down"
@@ -116,14 +134,29 @@ class AppState:
             assert self.engine is not None
             return self.engine
         self.metrics.reject(status)
+        raise self.unavailable()
+
+    def unavailable(self) -> APIError:
+        """The 503 for a server that takes no requests now (loading, stopping or failed)."""
+        status = self.status
         message = {"loading": "the model is still loading; retry shortly",
                    "shutting_down": "the server is shutting down",
-                   "failed": f"the engine failed: {self.load_error}"}[status]
+                   "failed": f"the engine failed: {self.failure}"}.get(status, status)
         headers = {"Retry-After": "2"} if status == "loading" else None
-        raise APIError(503, message, type="server_error", code=status, headers=headers)
+        return APIError(503, message, type="server_error", code=status, headers=headers)
 
     def knows_model(self, name: str | None) -> bool:
         if name is None or name in DEFAULT_ALIASES or name == self.model_id:
             return True
         path = self.engine.loaded.path if self.engine and self.engine.loaded else None
         return path is not None and name in (path.name, str(path))
+
+
+async def _first(*waits: Coroutine[Any, Any, object]) -> None:
+    """Wait until the first of `waits` returns; the others are cancelled."""
+    tasks = {asyncio.ensure_future(w) for w in waits}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

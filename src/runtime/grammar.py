@@ -9,8 +9,11 @@ The llguidance tokenizer (the vocabulary as bytes plus a token trie) is llguidan
 from the tokenizer's `tokenizer.json` as `llguidance.hf.from_tokenizer` does (without its
 transformers wrapper). It costs from a fraction of a second to a few seconds to build, so it is
 built once per slotserve tokenizer and cached. A grammar is compiled and checked when the
-request is made (a bad schema is refused before anything runs); each request then starts from a
-copy of the compiled matcher.
+request is made (a bad schema is refused before anything runs): llguidance validates it, and a
+copy takes the first step a request will take (mask, the forced token, mask), so a grammar
+whose forced text has no end (a required property that contains itself) is refused with the
+parser's reason instead of failing on its first token; each request then starts from a copy of
+the compiled matcher.
 
 Masks only ever touch the constrained rows: those rows are gathered, disallowed tokens set to
 -inf, and scattered back, so every other row's logits keep their exact bits.
@@ -98,6 +101,30 @@ class Grammar:
         # the tokens the grammar allows once it is complete; they end the request
         self.stop_ids = frozenset(lltok.eos_tokens)
         self.vocab_size = lltok.vocab_size
+        problem = self._first_step()
+        if problem is not None:
+            hint = ("; the text it forces has no end (does a required property or item "
+                    "contain itself?)" if "Too many items" in problem else "")
+            raise ValueError(f"response_format: the {kind} cannot be followed: {problem}{hint}")
+
+    def _first_step(self) -> str | None:
+        """Why a request could not take its first constrained step, or None.
+
+        On a copy: the first mask, the first token the grammar forces (if any) and the mask
+        after it, as a step does. llguidance computes the text a grammar forces as far as its
+        parser limits let it, so a grammar whose forced text never ends (`{"a": {"a": ...` of a
+        required property that refers to its own object) passes validation and then fails at
+        its first token with "Too many items"; here it is refused before anything runs.
+        """
+        probe = self._proto.deep_copy()
+        bits = np.zeros(((self.vocab_size + 31) // 32,), np.int32)
+        probe.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        forced = self._proto.deep_copy().compute_ff_tokens()
+        if forced and not probe.is_error():
+            probe.consume_token(forced[0])
+            if not probe.is_error():
+                probe.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        return public_error(probe.get_error()) if probe.is_error() else None
 
     def matcher(self) -> Matcher:
         return Matcher(self._proto.deep_copy(), self.stop_ids, self.vocab_size)
@@ -132,10 +159,17 @@ class Matcher:
 
     @property
     def error(self) -> str | None:
-        """Why the match failed, as a response may say it. Not the caller's mistake (the
-        sampler only picks allowed tokens), so no detail: llguidance's message, parser state
-        and grammar go to the log (see `consume`)."""
-        return "a sampled token does not satisfy the grammar" if self._m.is_error() else None
+        """Why the match failed, as a response may say it. A parser limit reached (the
+        grammar is too costly to follow from here) is said with llguidance's message, which
+        is about the grammar; anything else gets no detail (the sampler only picks allowed
+        tokens): llguidance's message, parser state and grammar go to the log (see
+        `consume`)."""
+        if not self._m.is_error():
+            return None
+        message = public_error(self._m.get_error())
+        if "limit" in message.lower():
+            return f"the grammar is too costly to follow here ({message})"
+        return "a sampled token does not satisfy the grammar"
 
 
 def compile_response_format(fmt: Mapping[str, Any] | None, tokenizer: Any) -> Grammar | None:
