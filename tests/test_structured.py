@@ -371,3 +371,21 @@ def test_http_grammar_failing_mid_generation_is_a_400(client: openai.OpenAI,
                   if line.startswith("data: {")]
     err = events[-1]["error"]
     assert err["code"] == "response_format_failed" and err["param"] == "response_format"
+
+
+def test_matcher_errors_say_what_they_can() -> None:
+    """A parser limit reached mid-generation is said (it is about the grammar, not the
+    parser's state); a rejected token is not detailed, even one that spells a limit's words."""
+    tok = vocabularies.smollm2()
+    fmt = {"type": "json_schema", "json_schema": {"schema": ENDLESS_BRANCH}}
+    m = compile_response_format(fmt, tok).matcher()
+    bits = np.zeros(((m.vocab_size + 31) // 32,), np.int32)
+    for token in [t for text in ("{", '"') for t in tok.encode(text, add_special=False)]:
+        m.fill_mask(bits)
+        m.consume(token)
+    m.fill_mask(bits)
+    assert m.error is not None and m.error.startswith("the grammar is too costly to follow")
+    assert "Too many items" in m.error and "<state>" not in m.error
+    m = compile_response_format({"type": "json_object"}, tok).matcher()
+    m.consume(tok.encode(" fuel (limit", add_special=False)[0])
+    assert m.error == "a sampled token does not satisfy the grammar"

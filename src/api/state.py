@@ -141,7 +141,8 @@ class AppState:
         status = self.status
         message = {"loading": "the model is still loading; retry shortly",
                    "shutting_down": "the server is shutting down",
-                   "failed": f"the engine failed: {self.failure}"}.get(status, status)
+                   "failed": f"the engine failed: {self.failure}"}.get(
+                       status, "the server takes no requests now")
         headers = {"Retry-After": "2"} if status == "loading" else None
         return APIError(503, message, type="server_error", code=status, headers=headers)
 

@@ -62,6 +62,19 @@ def public_error(message: str) -> str:
     return text if len(text) <= _MAX_ERROR else text[:_MAX_ERROR] + "..."
 
 
+# How llguidance words a parser or lexer limit reached ("Too many items (limit 50000; ...)",
+# "... fuel ...", "too many states"); its stop reason says only InternalError. A rejected token's
+# message quotes the token, so it is told apart first.
+_LIMIT_MARKERS = ("Too many items", "fuel", "(limit", "too many states")
+
+
+def parser_limit(message: str) -> bool:
+    """Whether an llguidance error is a limit the grammar made the parser reach (about the
+    grammar, so a response may say it), not a token it rejected."""
+    return ("doesn't satisfy the grammar" not in message
+            and any(marker in message for marker in _LIMIT_MARKERS))
+
+
 def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
     """The llguidance tokenizer for a slotserve Tokenizer, built once and cached.
 
@@ -167,7 +180,7 @@ class Matcher:
         if not self._m.is_error():
             return None
         message = public_error(self._m.get_error())
-        if "limit" in message.lower():
+        if parser_limit(message):
             return f"the grammar is too costly to follow here ({message})"
         return "a sampled token does not satisfy the grammar"
 
