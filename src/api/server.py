@@ -239,7 +239,7 @@ class BackgroundServer:
         while self.state.status != "ok":
             if self.error is not None or self.state.status == "failed":
                 self.stop()
-                raise RuntimeError(f"server failed to start: {self.error or self.state.load_error}")
+                raise RuntimeError(f"server failed to start: {self.error or self.state.failure}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"server not ready after {timeout} s")
