@@ -112,9 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-budget", default=None,
                    help="KV cache budget, bytes or with a unit (e.g. 2GiB, 512MiB)")
     s.add_argument("--prefill-budget", type=int, default=256)
-    s.add_argument("--max-parked", type=int, default=None,
-                   help="conversations kept (parked KV) beyond the slots for their next turn "
-                        "(default: as many as --max-slots; 0 disables)")
+    s.add_argument("--kv-reserve-tokens", type=int, default=None,
+                   help="KV promised to a request beyond its prompt when it starts (default "
+                        "256 tokens); it grows page by page after that, preempting the "
+                        "youngest request when the budget is spent")
+    s.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of a request that leaves it out (default: up to the "
+                        "context length, with nothing reserved for it up front)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (visible to other local users "
                         "in ps; prefer --api-key-file or $SLOTSERVE_API_KEY)")

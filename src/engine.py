@@ -25,13 +25,20 @@ import psutil
 import structlog
 
 from slotserve import settings
-from slotserve.actors.admission import CACHE_SCOPES, Admission, namespace_for
+from slotserve.actors.admission import (
+    CACHE_SCOPES,
+    DEFAULT_RESERVE_TOKENS,
+    Admission,
+    namespace_for,
+)
 from slotserve.actors.batcher import Batcher
+from slotserve.actors.kv_cache import KVCache
 from slotserve.actors.messages import (
     Assign,
     Cancel,
     Delta,
     GenerationRequest,
+    Progress,
     StepFailed,
     TokenLogprob,
     Usage,
@@ -64,7 +71,9 @@ class EngineConfig:
     max_queue: int = 64
     kv_budget_bytes: int | None = None  # None: 30% of RAM, at most 16 GiB
     prefill_budget: int = 256  # tokens per tick, decode rows included
-    max_parked: int | None = None  # conversations kept beyond the slots; None: max_slots
+    # pages promised to a request beyond its prompt when it is placed (admission grows it
+    # page by page after that)
+    kv_reserve_tokens: int | None = None  # None: two pages (256 tokens)
     default_max_tokens: int | None = None  # None: up to the context length
     shutdown_deadline: float = 30.0
     # pipeline the decode steps: queue the next step on the lazy tokens of this one
@@ -79,7 +88,7 @@ class EngineConfig:
     # (only the MLX-ops fallback, without the native kernels, can fail it): outputs then
     # differ between alone and batched. Off: such an engine refuses to start.
     allow_batch_variance: bool = False
-    # how far prefix reuse (retained, parked and shared KV) reaches: "key" within a request's
+    # how far prefix reuse (the one prefix cache) reaches: "key" within a request's
     # cache_namespace (the HTTP API key; the in-process default is one namespace), "global"
     # across every request, "none" never across requests. cache_salt splits it further.
     cache_scope: str = "key"
@@ -165,16 +174,18 @@ class Engine:
                 runner.compiled = None
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
-            slot = Slot(i, lm.model.new_kv(), self.batcher, self._slot_finished)
-            slot.on_idle = self._slot_idle
-            self.slots.append(slot)
+            self.slots.append(Slot(i, lm.model.new_kv(), self.batcher))
         bpt = self.slots[0].kv.bytes_per_position
         self.admission = Admission(
-            self.slots, max_queue=cfg.max_queue,
+            self.slots, KVCache(self.slots[0].kv.pool), max_queue=cfg.max_queue,
             kv_budget=cfg.kv_budget_bytes or default_kv_budget(),
-            bytes_per_token=bpt, context_length=lm.config.max_position,
-            max_parked=cfg.max_slots if cfg.max_parked is None else cfg.max_parked,
+            context_length=lm.config.max_position,
+            reserve_tokens=DEFAULT_RESERVE_TOKENS if cfg.kv_reserve_tokens is None
+            else cfg.kv_reserve_tokens,
         )
+        for slot in self.slots:
+            slot.placement = self.admission
+            slot.kv.managed = True
         self._stop = anyio.Event()
         self._failed = anyio.Event()
         started = anyio.Event()
@@ -356,10 +367,10 @@ class Engine:
         assert adm is not None and self._tg is not None
         session = Session(request, self.tokenizer, on_closed=self._session_closed)
 
-        def place(slot: Slot) -> None:
+        def place(slot: Slot, reused: int, progress: Progress | None) -> None:
             epoch = slot.reserve()
             session.bind(slot, epoch)
-            slot.tell(Assign(request, session))
+            slot.tell(Assign(request, session, reused, progress))
 
         adm.submit(request, place)  # raises before anything is started for this request
         if not session.finished:
@@ -368,23 +379,15 @@ class Engine:
 
     def _session_closed(self, session: Session) -> None:
         self.sessions.pop(session.request.request_id, None)
-
-    def _slot_finished(self, slot: Slot, reason: str) -> None:
-        assert self.admission is not None
-        self.admission.release(slot)
-
-    def _slot_idle(self, slot: Slot) -> None:
-        """A slot freed while its step was in flight is placeable only now: admit queued work."""
-        if self.admission is not None:
-            self.admission.pump()
+        if self.admission is not None:  # queued, or preempted and waiting to resume
+            self.admission.withdraw(session.request.request_id)
 
     def cancel(self, session: Session) -> None:
         """Cancel a request wherever it is (queued or running)."""
         adm = self.admission
         assert adm is not None
-        if session.slot is None:
-            if adm.withdraw(session.request.request_id):
-                session.fail("cancelled", None)
+        if adm.withdraw(session.request.request_id):  # queued, or preempted and waiting
+            session.fail("cancelled", None)
             return
         session.cancel()
 
@@ -454,27 +457,30 @@ class Engine:
     # ---- introspection -----------------------------------------------------------
 
     def drop_retained(self) -> int:
-        """Evict every idle slot's retained KV and every parked conversation (forces cold
-        prefills); returns bytes freed."""
-        freed = self.admission.drop_parked() if self.admission is not None else 0
-        for s in self.slots:
-            if not s.busy and not s.in_flight and s.kv.nbytes:
-                freed += s.kv.nbytes
-                s.evict()
-        return freed
+        """Evict every KV page no running request holds (forces cold prefills); returns the
+        bytes freed."""
+        return self.admission.drop_idle() if self.admission is not None else 0
 
     def slot_states(self) -> list[dict[str, Any]]:
         return [
             {"id": s.id, "busy": s.busy, "waiting_for_client": s.waiting_for_client,
-             "resident_tokens": len(s.ledger),
+             "waiting_for_pages": s.waiting_for_pages, "resident_tokens": len(s.ledger),
              "kv_bytes": s.kv.nbytes, "generated": s.generated,
              "idle_seconds": None if s.busy or not s.last_used
              else round(time.monotonic() - s.last_used, 3)}
             for s in self.slots
         ]
 
-    def kv_summary(self) -> dict[str, int]:
+    def kv_summary(self) -> dict[str, Any]:
+        """Where the KV budget goes: bytes (used = resident pages, busy = committed to running
+        requests), pages by state, and preemptions and evictions by reason."""
         adm = self.admission
         assert adm is not None
+        cache = adm.cache
         return {"used": adm.used_bytes, "busy": adm.busy_bytes, "budget": adm.kv_budget,
-                "queued": len(adm.queue), "running": sum(s.busy for s in self.slots)}
+                "queued": len(adm.queue), "running": sum(s.busy for s in self.slots),
+                "page_bytes": adm.page_bytes,
+                "pages": {"budget": adm.budget_pages, "resident": cache.resident,
+                          "held": cache.held, "idle": len(cache.idle),
+                          "shared": cache.shared, "promised": sum(adm.promised.values())},
+                "preemptions": dict(adm.preemptions), "evictions": dict(cache.evictions)}

@@ -1,7 +1,8 @@
 """Prefix reuse stays inside a cache namespace (issue 27): the API key the request
 authenticated with (in process: `cache_namespace`) and its `cache_salt`. Across namespaces
-the PIN oracle reads 0 cached tokens whichever path the victim's KV is on (its idle slot,
-parked, shared pages of a busy or idle conversation); within one it still reuses, so one
+the PIN oracle reads 0 cached tokens whatever state the victim's KV is in (idle in the
+prefix cache just after its request, still there after other tenants' requests, shared
+pages of a busy or idle conversation); within one it still reuses, so one
 tenant's agents share their system prompt. The tokens are the same bits either way."""
 
 from __future__ import annotations
@@ -32,10 +33,18 @@ SYSTEM = (
 ) * 5
 
 
+BANK = ("You are the assistant of Northwind Bank. You answer questions about accounts, "
+        "cards and transfers, you never read a card number or a PIN back to anyone, you "
+        "check the customer's identity before you discuss an account, and you keep every "
+        "answer short. When a customer reports a lost card you block it at once and tell "
+        "them how to order a new one. You do not give investment advice. ") * 2
+
+
 def victim(pin: str) -> list[dict[str, str]]:
-    # the PIN ends the prompt: a guess that differs in its last digits still matches a long
-    # prefix, which is what made cached_tokens an oracle
-    return [{"role": "system", "content": "You are the assistant of Northwind Bank."},
+    # the PIN ends the prompt, after more than a page of shared tokens: a guess that differs
+    # in its last digits still matches a long prefix, which is what made cached_tokens an
+    # oracle
+    return [{"role": "system", "content": BANK},
             {"role": "user", "content": f"Please remember my card PIN: {pin}"}]
 
 
@@ -45,7 +54,7 @@ def agent(question: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def h() -> Iterator[EngineHarness]:
-    harness = EngineHarness(max_slots=2, max_queue=8, max_parked=4)
+    harness = EngineHarness(max_slots=2, max_queue=8)
     yield harness
     harness.close()
 
@@ -71,21 +80,22 @@ def drop(h: EngineHarness) -> None:
 
 
 def stage(h: EngineHarness, where: str, tenant: str = "alice", salt: str | None = None) -> None:
-    """The victim's PIN prompt, its KV left on an idle slot or parked (two other tenants'
-    chats push it out of its slot)."""
+    """The victim's PIN prompt, its KV left idle in the cache, just now or behind two other
+    tenants' chats."""
     drop(h)
     ask(h, victim(PIN), tenant, salt)
-    if where == "parked":
+    if where == "behind_others":
         ask(h, [{"role": "user", "content": "Count from one to twenty, slowly, please."}],
             "filler-1")
         ask(h, [{"role": "user", "content": "Name the planets from the sun outwards."}],
             "filler-2")
         adm = h.engine.admission
         assert adm is not None
-        assert any(p.namespace == namespace_for("key", tenant, salt) for p in adm.parked)
+        tokens = h.engine.render_chat(victim(PIN))
+        assert adm.cache.lookup(tokens, namespace_for("key", tenant, salt)).tokens > 0
 
 
-@pytest.mark.parametrize("where", ["slot", "parked"])
+@pytest.mark.parametrize("where", ["just_now", "behind_others"])
 def test_the_pin_oracle_reads_zero_across_namespaces(h: EngineHarness, where: str) -> None:
     across, within = {}, {}
     for guess in (PIN, NEAR, WRONG):
@@ -94,9 +104,12 @@ def test_the_pin_oracle_reads_zero_across_namespaces(h: EngineHarness, where: st
         stage(h, where)
         within[guess] = ask(h, victim(guess), "alice")
     assert {g: cached(c) for g, c in across.items()} == {PIN: 0, NEAR: 0, WRONG: 0}
-    # within one namespace the KV is reused (and so would read as the oracle of issue 27)
-    assert cached(within[PIN]) > cached(within[NEAR]) >= cached(within[WRONG])
-    assert cached(within[PIN]) >= len(h.engine.render_chat(victim(PIN))) - 1
+    # within one namespace the KV is reused (and so would read as the oracle of issue 27):
+    # every whole page of the shared prefix (a request that is not a continuation of the
+    # conversation recomputes the rest of the last page)
+    pages = (len(h.engine.render_chat(victim(PIN))) - 1) // BLOCK
+    assert pages >= 1
+    assert all(cached(within[g]) == pages * BLOCK for g in (PIN, NEAR, WRONG))
     # the same bits whether the KV was another's (not reused), one's own (reused) or cold
     for guess in (PIN, NEAR, WRONG):
         drop(h)
@@ -109,12 +122,12 @@ def test_global_scope_is_the_old_behaviour_and_none_reuses_nothing(h: EngineHarn
     config = h.engine.config
     try:
         config.cache_scope = "global"  # read by every make_request
-        stage(h, "slot")
+        stage(h, "just_now")
         assert cached(ask(h, victim(PIN), "mallory")) > 0  # the oracle is open again
-        stage(h, "slot")
+        stage(h, "just_now")
         assert cached(ask(h, victim(PIN), "mallory", salt="s")) == 0  # salts still split
         config.cache_scope = "none"
-        stage(h, "slot")
+        stage(h, "just_now")
         first = ask(h, victim(PIN), "alice")
         assert cached(first) == 0
         turn2 = [*victim(PIN), {"role": "assistant", "content": first.text},
@@ -123,18 +136,18 @@ def test_global_scope_is_the_old_behaviour_and_none_reuses_nothing(h: EngineHarn
         for question in ("Where is my order?", "Can I change my address?", "Refund?"):
             assert cached(ask(h, agent(question), "alice")) == 0
         adm = h.engine.admission
-        assert adm is not None and not adm.parked  # nothing kept that nobody could use
+        assert adm is not None and not adm.cache.idle  # nothing kept that nobody could use
     finally:
         config.cache_scope = "key"
 
 
 def test_different_cache_salts_never_share(h: EngineHarness) -> None:
     for salt, other in (("s1", "s2"), ("s1", None), (None, "s1")):
-        stage(h, "slot", salt=salt)
+        stage(h, "just_now", salt=salt)
         assert cached(ask(h, victim(PIN), "alice", salt=other)) == 0
-        stage(h, "parked", salt=salt)
+        stage(h, "behind_others", salt=salt)
         assert cached(ask(h, victim(PIN), "alice", salt=other)) == 0
-        stage(h, "slot", salt=salt)
+        stage(h, "just_now", salt=salt)
         assert cached(ask(h, victim(PIN), "alice", salt=salt)) > 0
     drop(h)
     ask(h, agent("Where is my order 1234?"), "alice", "s1")
@@ -151,9 +164,9 @@ def test_one_tenants_agents_share_the_system_prompt_and_no_one_else(h: EngineHar
     assert cached(mine) >= 2 * BLOCK and cached(mine) % BLOCK == 0
     theirs = ask(h, agent("Can I change the delivery address?"), "globex", tokens=12)
     assert cached(theirs) == 0
-    # the first agent's conversation is parked by now (two slots, three chats): still acme's
+    # the first agent's conversation is idle in the cache by now: still acme's alone
     adm = engine.admission
-    assert adm is not None and adm.parked
+    assert adm is not None and adm.cache.idle
     assert cached(ask(h, agent("Do you ship to Norway?"), "acme")) >= 2 * BLOCK
     assert cached(ask(h, agent("Do you ship to Norway?"), "initech")) == 0
     drop(h)

@@ -8,13 +8,11 @@ import random
 from typing import Any
 
 import anyio
-import mlx.core as mx
 import pytest
 from engine_harness import EngineHarness, signal_first
 
-from slotserve.actors.slot import common_prefix
+from slotserve.actors.kv_cache import common_prefix
 from slotserve.kernels.attention import BLOCK
-from slotserve.model.kv import KVPool, SlotKV
 
 SYSTEM = (
     "You are a careful coding agent working in a large repository. Before you change a "
@@ -32,7 +30,7 @@ def _chat(user: str, history: list[dict[str, str]] | None = None) -> list[dict[s
 
 @pytest.fixture(scope="module")
 def two_slots() -> Any:
-    h = EngineHarness(max_slots=2, max_queue=8, max_parked=2)
+    h = EngineHarness(max_slots=2, max_queue=8)
     yield h
     h.close()
 
@@ -48,13 +46,15 @@ def test_a_new_chat_shares_the_system_prompts_pages(two_slots: EngineHarness) ->
     first = _complete(two_slots, _chat("Rename the helper in utils.py."))
     other = _complete(two_slots, _chat("Why does the build fail on Windows?"))
     assert other.usage.reused_tokens >= 2 * BLOCK and other.usage.reused_tokens % BLOCK == 0
-    # both conversations are retained; the pages they share count once against the budget
+    # both conversations stay in the cache; the pages they share are resident once
     admission = engine.admission
     assert admission is not None
-    kvs = [s.kv for s in admission.slots] + [p.kv for p in admission.parked]
-    distinct = {page for kv in kvs for page in kv.pages}
-    assert admission.retained_bytes() == len(distinct) * kvs[0].pool.page_bytes
-    assert admission.retained_bytes() < sum(kv.nbytes for kv in kvs)
+    cache = admission.cache
+    each = sum(-(-(len(engine.render_chat(m)) + 12) // BLOCK)
+               for m in (_chat("Rename the helper in utils.py."),
+                         _chat("Why does the build fail on Windows?")))
+    assert cache.resident == len(cache.idle) and cache.resident < each
+    assert engine.kv_summary()["used"] == cache.resident * admission.page_bytes
     # the first conversation kept all of its KV: its next turn reuses it whole
     history = [{"role": "user", "content": "Rename the helper in utils.py."},
                {"role": "assistant", "content": first.text}]
@@ -98,42 +98,6 @@ def test_sharing_with_a_conversation_still_generating(two_slots: EngineHarness) 
     alone = two_slots.call(lambda: engine.chat_complete(plan, max_tokens=48, temperature=0,
                                                         ignore_eos=True))
     assert alone.token_ids == out["long"].token_ids
-
-
-def _pool() -> KVPool:
-    return KVPool(num_layers=1, num_kv_heads=1, head_dim=8, dtype=mx.float32)
-
-
-def test_shared_pages_are_freed_when_their_last_holder_lets_go() -> None:
-    pool = _pool()
-    a, b = SlotKV(pool), SlotKV(pool)
-    a.reserve(3 * BLOCK)
-    b.share_prefix(a, 2)
-    assert b.pages == a.pages[:2] and b.capacity == 2 * BLOCK
-    free = len(pool.free)
-    a.release()
-    assert len(pool.free) == free + 1  # only a's own third page
-    b.release()
-    assert len(pool.free) == free + 3
-
-
-def test_a_slot_never_writes_into_a_page_another_holds() -> None:
-    pool = _pool()
-    a, b = SlotKV(pool), SlotKV(pool)
-    a.reserve(3 * BLOCK)
-    b.share_prefix(a, 2)
-    b.reserve(2 * BLOCK + 10)  # a page of b's own after the shared two
-    own = b.pages[2]
-    # writing from inside the shared second page: that page and every later one is dropped,
-    # and writing resumes at the start of the page (its positions are recomputed)
-    assert b.writable_from(BLOCK + 5) == BLOCK
-    assert b.pages == a.pages[:1] and not pool.shared(a.pages[1])
-    assert own in pool.free
-    # the donor writing into its own pages past the shared one is fine as it is
-    assert a.writable_from(BLOCK + 5) == BLOCK + 5 and len(a.pages) == 3
-    # but it too must not write into the page b still holds
-    assert a.writable_from(5) == 0 and a.pages == []
-    assert b.writable_from(BLOCK) == BLOCK and len(b.pages) == 1
 
 
 def test_common_prefix_matches_the_plain_definition() -> None:

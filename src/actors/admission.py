@@ -1,52 +1,57 @@
-"""Admission: decide admit / queue / reject under slot, queue and KV-byte budgets.
+"""Admission: admit / queue / preempt / refuse under slot, queue and KV-page budgets.
 
-The KV budget is charged by physical high-water marks: a busy slot is charged a
-fixed floor plus bytes-per-token x (prompt + max new tokens), rounded up to the KV
-growth step; an idle slot that retains KV for prefix reuse holds its actual bytes
-and is evicted (least recently used first) when an admission needs them. Every
-slot keeps the model's full context: a request is limited only by the context
-length and the budget, never by context / slots.
+Every slot keeps the model's full context; one physical KV budget (in pages of BLOCK
+positions) governs what is resident. The rule, in full:
 
-Conversations outlive their slot: when a request takes an idle slot that holds
-another conversation, that conversation's KV pages are *parked* (kept in the pool,
-detached from any slot) instead of dropped, and a later turn that continues it is
-placed on a free slot that adopts those pages — so more agents than slots still
-skip re-prefill. At most `max_parked` conversations are kept (default: as many as
-slots) and they count against the KV budget; parked KV is evicted first, least
-recently used first, when bytes are needed.
+* **Charge what is written.** A request placed on a slot holds the pages of its prompt
+  (those the prefix cache already has are shared, not charged twice) plus a *promise* of a
+  small generation reserve (`reserve_tokens`, default two pages). It grows page by page as
+  it generates: first out of its promise, then out of what the budget has left.
+* **Committed = pages held + pages promised** never exceeds the budget. Pages nobody holds
+  (finished conversations, shared prefixes: the prefix cache's idle pages) fill the rest and
+  are evicted, least recently used first, whenever a request needs the room.
+* **Preempt instead of refusing.** A running request that needs a page the budget cannot
+  give preempts the youngest running request (its full pages stay in the cache as idle
+  pages, so the resume finds them while the budget allows; what was evicted is recomputed
+  from its token ledger). A preempted request goes back to the front of the queue with its
+  sampler and grammar state and resumes with the tokens it would have produced
+  uninterrupted (prefills and decodes compute every position the same way). If the
+  oldest waiting request is itself the youngest, nobody steps back: it waits for the older
+  ones to finish. One preemption at a time; queued requests wait while a running one
+  waits for a page.
+* **Refuse only what can never run**: a prompt that does not fit the whole budget alone
+  (400). A full queue is a 429 with Retry-After. A request whose own context outgrows the
+  whole budget alone (max_tokens left open on a small budget) finishes with "length".
 
-A new chat that opens with tokens another conversation holds (an agent's system prompt)
-starts from that conversation's full KV pages, shared, not copied (`_share_prefix`);
-retained KV counts each page once, however many conversations share it (`retained_bytes`).
-
-Every one of these mechanisms stays inside a cache namespace (`GenerationRequest.
-cache_namespace`: the API key and `cache_salt`, see `namespace_for`): a request reuses a
-slot's ledger, adopts a parked conversation or shares pages only when they were computed
-for its own namespace, so `cached_tokens` (and the time a prefill takes) never tells one
-tenant anything about another's prompts. A request of namespace None (`--cache-scope none`)
-reuses nothing and leaves nothing to reuse.
+Requests reuse KV only within their cache namespace (`GenerationRequest.cache_namespace`:
+the API key and `cache_salt`, see `namespace_for`), because the cache keys its pages by
+namespace: `cached_tokens` never tells one tenant anything about another's prompts. A
+request of namespace None (`--cache-scope none`) reuses nothing and leaves nothing.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from slotserve.actors.messages import GLOBAL_NAMESPACE, CacheNamespace, GenerationRequest
-from slotserve.actors.slot import Slot, common_prefix
+from slotserve.actors.kv_cache import Chain, KVCache
+from slotserve.actors.messages import (
+    CacheNamespace,
+    GenerationRequest,
+    PagesReady,
+    Preempt,
+    Progress,
+)
+from slotserve.actors.slot import Growth, Slot
 from slotserve.kernels.attention import BLOCK
-from slotserve.model.kv import GROW_STEP, SlotKV
 
-MIN_REUSE = 16  # prefix tokens a retained slot must match to be chosen for reuse
-# tokens of a retained conversation a request may drop when it takes that KV in place: its
-# own next turn (the end of the last answer re-rendered); any other match shares pages
-REUSE_TAIL = 16
 # how far prefix reuse reaches: "key" (the default) within one API key, "global" across all
 # requests (one namespace), "none" not across requests at all; cache_salt splits each further
 CACHE_SCOPES = ("key", "global", "none")
+DEFAULT_RESERVE_TOKENS = 2 * BLOCK
 
 
 def namespace_for(scope: str, tenant: str | None = None,
@@ -65,6 +70,14 @@ def namespace_for(scope: str, tenant: str | None = None,
     return (tenant or "", salt or "")
 
 
+def pages_for(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def _arrival(slot: Slot) -> float:
+    return slot.request.arrived if slot.request is not None else 0.0
+
+
 class AdmissionError(Exception):
     """A request that cannot be served as asked (maps to HTTP 400)."""
 
@@ -79,7 +92,7 @@ class ContextOverflowError(AdmissionError):
 
 
 class BudgetExceededError(AdmissionError):
-    """A single request larger than the whole KV budget: it could never run."""
+    """A prompt larger than the whole KV budget: it could never run."""
 
 
 class OverloadedError(Exception):
@@ -90,94 +103,77 @@ class OverloadedError(Exception):
         self.reason, self.retry_after = reason, retry_after
 
 
+Place = Callable[[Slot, int, Progress | None], None]
+
+
 @dataclass
 class Waiting:
     request: GenerationRequest
-    place: Callable[[Slot], None]
-    charge: int
+    place: Place  # (slot, prompt tokens found in the cache, progress to resume or None)
+    progress: Progress | None = None  # a preempted request's state
 
-
-@dataclass
-class ParkedKV:
-    """A conversation's resident tokens and their KV pages, held by no slot."""
-
-    ledger: list[int]
-    kv: SlotKV
-    last_used: float
-    namespace: CacheNamespace | None = GLOBAL_NAMESPACE  # only this namespace may adopt it
-
-    def prefix_match(self, prompt: list[int], namespace: CacheNamespace | None) -> int:
-        if namespace is None or namespace != self.namespace:
-            return 0
-        return min(common_prefix(self.ledger, prompt), max(len(prompt) - 1, 0))
+    @property
+    def tokens(self) -> list[int]:
+        return self.progress.tokens if self.progress else self.request.prompt_ids
 
 
 class Admission:
-    def __init__(self, slots: list[Slot], *, max_queue: int, kv_budget: int,
-                 bytes_per_token: int, context_length: int, max_parked: int = 0) -> None:
+    def __init__(self, slots: list[Slot], cache: KVCache, *, max_queue: int, kv_budget: int,
+                 context_length: int, reserve_tokens: int = DEFAULT_RESERVE_TOKENS) -> None:
         self.slots = slots
+        self.cache = cache
         self.max_queue = max_queue
         self.kv_budget = kv_budget
-        self.bytes_per_token = bytes_per_token
+        self.page_bytes = cache.pool.page_bytes
+        self.budget_pages = max(kv_budget // self.page_bytes, 1)
         self.context_length = context_length
-        self.floor = GROW_STEP * bytes_per_token
+        self.reserve_pages = pages_for(reserve_tokens)
         self.queue: deque[Waiting] = deque()
-        self.parked: list[ParkedKV] = []
-        self.max_parked = max_parked  # parked conversations kept at most (LRU beyond)
-        self.charged: dict[int, int] = {}  # slot id -> bytes charged while busy
-        self.rejections: dict[str, int] = {}
+        self.promised: dict[int, int] = {}  # slot id -> pages promised, not yet taken
+        self.places: dict[int, Place] = {}  # slot id -> how its request was placed
+        self.growth_waiters: list[Slot] = []  # running slots waiting for a page
+        self.preempting: int | None = None  # the slot told to step back, until it has
+        self.rejections: Counter[str] = Counter()
+        self.preemptions: Counter[str] = Counter()
         self._finished_at: deque[float] = deque(maxlen=64)
 
     # ---- accounting ------------------------------------------------------------
 
-    def charge_for(self, req: GenerationRequest) -> int:
-        tokens = len(req.prompt_ids) + req.max_tokens
-        return self.floor + math.ceil(tokens / GROW_STEP) * GROW_STEP * self.bytes_per_token
+    @property
+    def committed_pages(self) -> int:
+        return self.cache.held + sum(self.promised.values())
 
     @property
     def busy_bytes(self) -> int:
-        return sum(self.charged.values())
-
-    def retained_bytes(self, exclude: Slot | None = None) -> int:
-        """Bytes of the pages only retained KV holds (idle slots but `exclude`, which is being
-        placed, and parked conversations): what evicting all of it would free. A page that
-        several conversations share (a common system prompt) counts once; one that a busy
-        slot (or `exclude`) also holds lies inside that slot's charge."""
-        if not self.slots:
-            return 0
-        charged = {p for s in self.slots if s.busy or s is exclude for p in s.kv.pages}
-        held = {p for s in self.slots if not (s.busy or s is exclude) for p in s.kv.pages}
-        held.update(p for c in self.parked for p in c.kv.pages)
-        return len(held - charged) * self.slots[0].kv.pool.page_bytes
+        return self.committed_pages * self.page_bytes
 
     @property
     def used_bytes(self) -> int:
-        return self.busy_bytes + self.retained_bytes()
+        """Resident KV: held and idle pages (promises are not yet written)."""
+        return self.cache.resident * self.page_bytes
 
-    def check(self, req: GenerationRequest) -> int:
-        """Raise for a request that can never run; return its charge."""
+    def check(self, req: GenerationRequest) -> None:
+        """Raise for a request that can never run."""
         if len(req.prompt_ids) + req.max_tokens > self.context_length:
             raise ContextOverflowError(len(req.prompt_ids), req.max_tokens, self.context_length)
-        charge = self.charge_for(req)
-        if charge > self.kv_budget:
+        need = pages_for(len(req.prompt_ids) + 1) * self.page_bytes
+        if need > self.kv_budget:
             raise BudgetExceededError(
-                f"request needs {charge} KV bytes (prompt {len(req.prompt_ids)} + max_tokens "
-                f"{req.max_tokens}) but the whole KV budget is {self.kv_budget} bytes; lower "
-                f"max_tokens"
-            )
-        return charge
+                f"the prompt ({len(req.prompt_ids)} tokens) needs {need} bytes of KV but the "
+                f"whole KV budget is {self.kv_budget} bytes; shorten the prompt")
 
     # ---- placement -------------------------------------------------------------
 
-    def submit(self, req: GenerationRequest, place: Callable[[Slot], None]) -> bool:
+    def submit(self, req: GenerationRequest, place: Place) -> bool:
         """Place now (True), queue (False), or raise OverloadedError / AdmissionError."""
-        charge = self.check(req)
-        if not self.queue and self._try_place(req, place, charge):
+        self.check(req)
+        w = Waiting(req, place)
+        if not self.queue and self._try_place(w):
             return True
         if len(self.queue) >= self.max_queue:
-            self.rejections["queue_full"] = self.rejections.get("queue_full", 0) + 1
+            self.rejections["queue_full"] += 1
             raise OverloadedError("queue full", self.retry_after())
-        self.queue.append(Waiting(req, place, charge))
+        self.queue.append(w)
         return False
 
     def withdraw(self, request_id: str) -> bool:
@@ -187,137 +183,117 @@ class Admission:
                 return True
         return False
 
-    def release(self, slot: Slot) -> None:
-        """A slot finished: return its charge and admit what now fits, in order."""
-        self.charged.pop(slot.id, None)
-        self._finished_at.append(time.monotonic())
-        self.pump()
-
     def pump(self) -> None:
+        """Serve what now fits: running requests waiting for a page first (oldest first, as
+        many as there are free pages; if none is free, preempt for them), and only when none
+        waits, the queue in order (preempted requests first, by arrival)."""
+        if self.preempting is not None:
+            return
+        self.growth_waiters = [s for s in self.growth_waiters
+                               if s.request is not None and s.waiting_for_pages]
+        if self.growth_waiters:
+            free = self.budget_pages - self.committed_pages
+            if free <= 0:
+                self._preempt_for_waiters()
+                return
+            for slot in sorted(self.growth_waiters, key=_arrival)[:free]:
+                self.growth_waiters.remove(slot)
+                slot.tell(PagesReady(slot.epoch))
+            return
         while self.queue:
-            w = self.queue[0]
-            if not self._try_place(w.request, w.place, w.charge):
+            if not self._try_place(self.queue[0]):
                 return
             self.queue.popleft()
 
-    def _try_place(self, req: GenerationRequest, place: Callable[[Slot], None],
-                   charge: int) -> bool:
-        free = [s for s in self.slots if not s.busy and not s.in_flight]
-        if not free:
+    def _preempt_for_waiters(self) -> None:
+        """Tell the youngest running request to step back, for the oldest waiting one. When
+        the oldest waiter is itself the youngest, nobody steps back: it waits for the older
+        ones to finish (stepping back would only make room for itself)."""
+        if self.preempting is not None or not self.growth_waiters:
+            return
+        oldest = min(self.growth_waiters, key=_arrival)
+        victim = max((s for s in self.slots if s.busy and s.request is not None),
+                     key=_arrival)
+        if victim is oldest:
+            return
+        self.preempting = victim.id
+        victim.tell(Preempt(victim.epoch))
+
+    def _try_place(self, w: Waiting) -> bool:
+        slot = next((s for s in self.slots if not s.busy and not s.in_flight), None)
+        if slot is None:
             return False
-        slot, parked, reuse = self._choose(free, req.prompt_ids, req.cache_namespace)
-        if parked is not None:
-            self.parked.remove(parked)  # before parking the host: the cap must not drop it
-        if not reuse and slot.kv.nbytes:
-            self._park(slot)  # keep its conversation for a later turn; start this one empty
-        charge = max(charge, slot.kv.nbytes, parked.kv.nbytes if parked else 0)
-        if self.busy_bytes + charge > self.kv_budget:
-            if parked is not None:
-                self.parked.append(parked)
+        req, tokens = w.request, w.tokens
+        match = self.cache.lookup(tokens, req.cache_namespace)
+        new = pages_for(len(tokens)) - len(match.pages)
+        generated = w.progress.generated if w.progress else 0
+        room = pages_for(len(tokens) + req.max_tokens - generated) - pages_for(len(tokens))
+        reserve = min(self.reserve_pages, max(room, 0))
+        if self.committed_pages + new + self.cache.newly_held(match) + reserve \
+                > self.budget_pages:
             return False
-        if parked is not None:
-            slot.adopt(parked.ledger, parked.kv, parked.namespace)
-        elif not reuse:
-            self._share_prefix(slot, req.prompt_ids, req.cache_namespace)
-        # free retained KV until the charge fits: parked conversations first, then other
-        # idle slots, least recently used first
-        while self.busy_bytes + charge + self.retained_bytes(slot) > self.kv_budget:
-            if not self._evict_one(exclude=slot):
-                break
-        self.charged[slot.id] = charge
-        place(slot)
+        slot.chain = self.cache.take(match, slot.kv, req.cache_namespace)
+        slot.kv.add_pages(self.cache.allocate(new, self.budget_pages))
+        self.promised[slot.id] = reserve
+        self.places[slot.id] = w.place
+        w.place(slot, match.tokens, w.progress)
         return True
 
-    def _share_prefix(self, slot: Slot, prompt: list[int],
-                      namespace: CacheNamespace | None) -> None:
-        """Start an empty slot with the full KV pages of the longest prefix of `prompt` that
-        another conversation of the same cache namespace holds (a slot's, busy or not, or a
-        parked one): a new chat that opens with an agent's system prompt skips prefilling
-        it, and that conversation keeps all of its KV. Pages are shared, not copied
-        (SlotKV.share_prefix); the K/V in them are what a prefill of the same tokens at the
-        same positions computes (the invariance rules), so the output is the same bits as
-        a cold start."""
-        if namespace is None:
-            return
-        limit = (len(prompt) - 1) // BLOCK  # the last prompt token is always fed
-        donors = [(s.ledger, s.kv) for s in self.slots
-                  if s is not slot and s.kv.pages and s.namespace == namespace]
-        donors += [(p.ledger, p.kv) for p in self.parked if p.namespace == namespace]
-        best, source = 0, None
-        for ledger, kv in donors:
-            pages = min(common_prefix(ledger, prompt) // BLOCK, limit)
-            if pages > best:
-                best, source = pages, (ledger, kv)
-        if source is not None:
-            slot.kv.share_prefix(source[1], best)
-            slot.ledger = source[0][: best * BLOCK]
-            slot.namespace = namespace
+    # ---- a running request's life -----------------------------------------------------
 
-    def _park(self, slot: Slot) -> None:
-        if self.max_parked <= 0 or slot.namespace is None:  # None: nobody could adopt it
-            slot.evict()
-            return
-        namespace = slot.namespace
-        ledger, kv = slot.detach()
-        self.parked.append(ParkedKV(ledger, kv, slot.last_used, namespace))
-        while len(self.parked) > self.max_parked:
-            oldest = min(self.parked, key=lambda p: p.last_used)
-            self.parked.remove(oldest)
-            oldest.kv.release()
+    def grow(self, slot: Slot, end: int) -> Growth:
+        """Pages for positions [0, end) of a running slot, or what it must do instead."""
+        need = pages_for(end) - len(slot.kv.pages)
+        if need <= 0:
+            return Growth.OK
+        promise = self.promised.get(slot.id, 0)
+        extra = max(0, need - promise)
+        if self.committed_pages + extra <= self.budget_pages:
+            self.promised[slot.id] = promise - (need - extra)
+            slot.kv.add_pages(self.cache.allocate(need, self.budget_pages))
+            return Growth.OK
+        if len(slot.kv.pages) + need > self.budget_pages:
+            return Growth.FULL  # its own context outgrows the whole budget
+        if slot not in self.growth_waiters:
+            self.growth_waiters.append(slot)
+        self._preempt_for_waiters()
+        return Growth.WAIT
 
-    def _evict_one(self, exclude: Slot) -> bool:
-        if self.parked:
-            oldest = min(self.parked, key=lambda p: p.last_used)
-            self.parked.remove(oldest)
-            oldest.kv.release()
-            return True
-        idle = [s for s in self.slots
-                if s is not exclude and not s.busy and not s.in_flight and s.kv.nbytes]
-        if not idle:
-            return False
-        min(idle, key=lambda s: s.last_used).evict()
-        return True
+    def written(self, slot: Slot) -> None:
+        """The slot's ledger grew: publish its new full pages."""
+        self.cache.publish(slot.kv, slot.ledger, slot.chain)
 
-    def drop_parked(self) -> int:
-        """Release every parked conversation's KV; returns the bytes freed."""
-        freed = sum(p.kv.nbytes for p in self.parked)
-        for p in self.parked:
-            p.kv.release()
-        self.parked = []
-        return freed
+    def release(self, slot: Slot, ledger: list[int], chain: Chain) -> None:
+        """A slot finished: its pages go back to the cache; admit what now fits."""
+        self._let_go(slot, ledger, chain)
+        self.places.pop(slot.id, None)
+        self._finished_at.append(time.monotonic())
+        self.pump()
 
-    def _choose(self, free: list[Slot], prompt: list[int],
-                namespace: CacheNamespace | None) -> tuple[Slot, ParkedKV | None, bool]:
-        """(slot, parked conversation it adopts or None, whether the slot's own KV is reused).
+    def suspend(self, slot: Slot, request: GenerationRequest, progress: Progress,
+                ledger: list[int], chain: Chain) -> None:
+        """A preempted slot stepped back: requeue its request at the front (by arrival)."""
+        self.preemptions["budget"] += 1
+        self._let_go(slot, ledger, chain)
+        waiting = Waiting(request, self.places.pop(slot.id), progress)
+        # (it is placed again by pump once no running request waits for a page)
+        pos = next((i for i, w in enumerate(self.queue)
+                    if w.progress is None or w.request.arrived > request.arrived),
+                   len(self.queue))
+        self.queue.insert(pos, waiting)
+        self.pump()
 
-        Only conversations of the request's cache namespace match at all. The longest exact
-        prefix match wins, in a free slot or parked (a free slot then adopts it); otherwise
-        an empty slot, else the least recently used one, whose conversation is parked. A
-        match counts only when it is at least MIN_REUSE tokens (not just the chat template's
-        opening) and reusing it in place throws away at most REUSE_TAIL tokens of that
-        conversation (its own next turn, re-rendered): a new chat that only shares the
-        system prompt must not truncate another conversation. That
-        conversation is parked instead, and the new chat starts from its full pages of the
-        shared prefix (_share_prefix).
-        """
+    def _let_go(self, slot: Slot, ledger: list[int], chain: Chain) -> None:
+        self.cache.finish(slot.kv, ledger, chain)
+        self.promised.pop(slot.id, None)
+        if slot in self.growth_waiters:
+            self.growth_waiters.remove(slot)
+        if self.preempting == slot.id:
+            self.preempting = None
 
-        def worth(match: int, resident: int) -> bool:
-            return match >= MIN_REUSE and resident - match <= REUSE_TAIL
-
-        slot_matches = [(s.prefix_match(prompt, namespace), s.last_used, s) for s in free]
-        best_slot = max((m for m in slot_matches if worth(m[0], len(m[2].ledger))),
-                        key=lambda m: (m[0], m[1]), default=None)
-        parked_matches = [(p.prefix_match(prompt, namespace), p.last_used, p)
-                          for p in self.parked]
-        best_parked = max((m for m in parked_matches if worth(m[0], len(m[2].ledger))),
-                          key=lambda m: (m[0], m[1]), default=None)
-        empty = [s for s in free if not s.ledger and not s.kv.pages]
-        host = empty[0] if empty else min(free, key=lambda s: s.last_used)
-        if best_parked is not None and (best_slot is None or best_parked[0] > best_slot[0]):
-            return host, best_parked[2], False
-        if best_slot is not None:
-            return best_slot[2], None, True
-        return host, None, False
+    def drop_idle(self) -> int:
+        """Evict every idle page (forces cold prefills); returns the bytes freed."""
+        return self.cache.drop_idle() * self.page_bytes
 
     def retry_after(self) -> int:
         """Seconds until the queue should have room, from the observed finish rate."""

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 
 from slotserve.actors.base import Address
-from slotserve.runtime.grammar import Grammar
+from slotserve.runtime.grammar import Grammar, Matcher
 from slotserve.runtime.runner import RowWork, Sampled
-from slotserve.runtime.sampling import SamplingParams
+from slotserve.runtime.sampling import RowState, SamplingParams
 
 # Who may reuse whose KV: (tenant, cache salt). Requests share prefix KV only when their
 # namespaces are equal; None is a request whose KV no other request may use, nor it theirs.
@@ -64,9 +64,24 @@ class Delta:
 
 
 @dataclass
+class Progress:
+    """A preempted request's state, kept while it waits to resume."""
+
+    tokens: list[int]  # the prompt and every token generated so far
+    generated: int
+    state: RowState  # sampler state (seeded draws, penalty counts)
+    matcher: Matcher | None  # grammar position
+    reused: int  # prompt tokens the first placement found in the cache (usage)
+
+
+@dataclass
 class Assign:
+    """Serve this request; `reused` tokens of it are in the pages admission gave the slot."""
+
     request: GenerationRequest
     session: Address[SessionMessage]  # the Session that receives this request's tokens
+    reused: int = 0
+    progress: Progress | None = None  # resume a preempted request from here
 
 
 @dataclass
@@ -104,7 +119,21 @@ class Resume:
     epoch: int
 
 
-SlotMessage = Assign | Cancel | Resume | StepDone | StepFailed | Withdrawn
+@dataclass
+class Preempt:
+    """Step back: free your pages for an older request (admission's preemption)."""
+
+    epoch: int
+
+
+@dataclass
+class PagesReady:
+    """The pages the slot waited for may be there now: offer again."""
+
+    epoch: int
+
+
+SlotMessage = Assign | Cancel | Resume | StepDone | StepFailed | Withdrawn | Preempt | PagesReady
 
 
 # ---- Batcher mailbox ------------------------------------------------------------

@@ -1,26 +1,36 @@
-"""Slot actor: owns one KV slot and the state of the request it serves.
+"""Slot actor: one execution lane of the fused step, and the request it serves.
 
-The token ledger lists the tokens whose K/V are resident at positions 0..n-1. It
-survives the request, so a later request sharing a prefix skips that prefill.
-`epoch` changes with every assignment and finish, so a step result or a Ready
-that belongs to an earlier request is recognised and ignored. `namespace` is the cache
-namespace the resident KV belongs to: only a request of the same namespace reuses it.
+The token ledger lists the tokens whose K/V are written at positions 0..n-1 of the slot's
+pages. Admission hands the slot its pages with the request (those the prefix cache already
+holds first, so `reused` prompt tokens need no prefill) and takes them back when the
+request ends; full pages are published to the cache as they fill, so other requests can
+share them while this one still runs. Before each offer the slot asks admission for the
+pages its next rows write (`Placement.grow`): granted; wait (for a page admission frees by
+preempting a younger request, which steps back on `Preempt`); or full (its own context
+outgrows the whole budget). `epoch` changes with every assignment and finish, so a step
+result or a Ready that belongs to an earlier request is recognised and ignored.
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from collections.abc import Callable
+from typing import Protocol
+
+import structlog
 
 from slotserve.actors.base import Actor, Address
+from slotserve.actors.kv_cache import Chain
 from slotserve.actors.messages import (
     Assign,
     BatcherMessage,
-    CacheNamespace,
     Cancel,
     FinishEvent,
     GenerationRequest,
     NoWork,
+    PagesReady,
+    Preempt,
+    Progress,
     Ready,
     Resume,
     SessionMessage,
@@ -39,40 +49,51 @@ from slotserve.runtime.grammar import Matcher
 from slotserve.runtime.runner import RowWork
 from slotserve.runtime.sampling import RowState
 
+log = structlog.get_logger("slotserve.slot")
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix. Compared a chunk at a time (list equality runs
-    in C): admission compares a prompt with every conversation's ledger, and agents share
-    system prompts thousands of tokens long."""
-    n = min(len(a), len(b))
-    i = 0
-    for chunk in (256, 16, 1):
-        while i + chunk <= n and a[i : i + chunk] == b[i : i + chunk]:
-            i += chunk
-    return i
+
+class Growth(enum.Enum):
+    OK = "ok"  # the pages are there
+    WAIT = "wait"  # no page free: PagesReady follows (once a preemption or a finish frees one)
+    FULL = "full"  # its own context needs more than the whole budget
+
+
+class Placement(Protocol):
+    """What a slot asks of admission (slotserve.actors.admission.Admission)."""
+
+    def grow(self, slot: Slot, end: int) -> Growth: ...
+
+    def written(self, slot: Slot) -> None: ...
+
+    def release(self, slot: Slot, ledger: list[int], chain: Chain) -> None: ...
+
+    def suspend(self, slot: Slot, request: GenerationRequest, progress: Progress,
+                ledger: list[int], chain: Chain) -> None: ...
+
+    def pump(self) -> None: ...
 
 
 class Slot(Actor[SlotMessage]):
     mailbox_size = 16
 
-    def __init__(self, slot_id: int, kv: SlotKV, batcher: Address[BatcherMessage],
-                 on_finish: Callable[[Slot, str], None]) -> None:
+    def __init__(self, slot_id: int, kv: SlotKV, batcher: Address[BatcherMessage]) -> None:
         super().__init__(f"slot-{slot_id}")
         self.id = slot_id
         self.kv = kv
         self.batcher = batcher
-        self.on_finish = on_finish
-        # called when a finished request's last outstanding offer is answered: only now can
-        # the slot be reused (a step may have been writing its KV)
-        self.on_idle: Callable[[Slot], None] | None = None
+        self.placement: Placement | None = None  # set by the engine once admission exists
+        self.chain = Chain(None)
         self.ledger: list[int] = []
-        # the cache namespace of the request that computed the ledger's KV (None: private)
-        self.namespace: CacheNamespace | None = None
         self.epoch = 0
         self.busy = False  # reserved by admission or serving a request
         # an offer (Ready) is out: a step may be writing this slot's KV until it is answered
         self.in_flight = False
         self.waiting_for_client = False  # backpressure: no offers until the session resumes
+        self.waiting_for_pages = False  # no offers until admission has pages (PagesReady)
+        self.preempt_requested = False  # step back once the step in flight has answered
+        # a request that ended while a step could still be writing its pages: they go back
+        # to the cache when that step has answered (ledger and chain to release them under)
+        self._release_after: tuple[list[int], Chain] | None = None
         self.last_used = 0.0
         self.request: GenerationRequest | None = None
         self.session: Address[SessionMessage] | None = None
@@ -83,57 +104,15 @@ class Slot(Actor[SlotMessage]):
         self.matcher: Matcher | None = None  # the request's grammar position, if constrained
         self.arrived_at = 0.0
 
-    # ---- read by admission and the Batcher (same event loop, no awaits) -----------
-
-    def prefix_match(self, prompt: list[int], namespace: CacheNamespace | None) -> int:
-        """Resident tokens a request with this prompt could reuse (one is always re-fed):
-        none unless the request is in the cache namespace the resident KV belongs to."""
-        if namespace is None or namespace != self.namespace:
-            return 0
-        return min(common_prefix(self.ledger, prompt), max(len(prompt) - 1, 0))
-
     def reserve(self) -> int:
         """Claim the slot for a request admission has chosen; returns the new epoch."""
         self.busy = True
         self.epoch += 1
         return self.epoch
 
-    def _offer(self) -> None:
-        """Offer this slot's pending tokens for the next step (Ready)."""
-        assert self.request is not None and self.state is not None
-        req = self.request
-        work = RowWork(
-            slot_id=self.id, kv=self.kv, start=len(self.ledger), tokens=self.pending,
-            sample=True, params=req.params, state=self.state, draw=self.generated,
-            logprobs=req.logprobs, top_logprobs=req.top_logprobs, grammar=self.matcher,
-            epoch=self.epoch,
-        )
-        self.in_flight = True
-        self.batcher.tell(Ready(self.id, self.epoch, work, self.prefilling, self.arrived_at,
-                                self))
-
     @property
     def prefilling(self) -> bool:
         return len(self.pending) > 1 or (self.generated == 0 and bool(self.pending))
-
-    def evict(self) -> None:
-        """Drop the retained KV of an idle slot (admission needs the bytes)."""
-        assert not self.busy and not self.in_flight
-        self.kv.release()
-        self.ledger = []
-        self.namespace = None
-
-    def detach(self) -> tuple[list[int], SlotKV]:
-        """Hand over the retained conversation (ledger + its KV pages); keep an empty KV."""
-        assert not self.busy and not self.in_flight
-        ledger, kv = self.ledger, self.kv
-        self.ledger, self.kv, self.namespace = [], SlotKV(kv.pool), None
-        return ledger, kv
-
-    def adopt(self, ledger: list[int], kv: SlotKV, namespace: CacheNamespace | None) -> None:
-        """Take over a parked conversation (this slot's own retained KV must be gone)."""
-        assert not self.busy and not self.in_flight and not self.kv.pages
-        self.ledger, self.kv, self.namespace = ledger, kv, namespace
 
     # ---- messages --------------------------------------------------------------------
 
@@ -148,6 +127,8 @@ class Slot(Actor[SlotMessage]):
             self._idle()
         elif isinstance(msg, Withdrawn):
             self.in_flight = False
+            if self.preempt_requested and self.request is not None:
+                self._step_back()
             self._idle()
         elif isinstance(msg, Assign):
             self._assign(msg)
@@ -161,24 +142,71 @@ class Slot(Actor[SlotMessage]):
             if msg.epoch == self.epoch and self.waiting_for_client and self.request is not None:
                 self.waiting_for_client = False
                 self._offer()
+        elif isinstance(msg, PagesReady):
+            if msg.epoch == self.epoch and self.waiting_for_pages and self.request is not None:
+                self.waiting_for_pages = False
+                self._offer()
+        elif isinstance(msg, Preempt):
+            if msg.epoch != self.epoch or self.request is None:
+                return
+            if self.in_flight:  # the offer may already be in a step: step back after it
+                self.preempt_requested = True
+                self.batcher.tell(Withdraw(self.id, self.epoch))
+            else:
+                self._step_back()
 
     def _assign(self, msg: Assign) -> None:
-        req = msg.request
-        self.request, self.session = req, msg.session  # type: ignore[assignment]
-        # from the first position this request writes on, no page may be another's; KV of
-        # another cache namespace is never reused (admission parks it first; this is the check)
-        self.reused = self.kv.writable_from(self.prefix_match(req.prompt_ids,
-                                                              req.cache_namespace))
-        self.ledger = self.ledger[: self.reused]
-        self.namespace = req.cache_namespace
-        self.pending = list(req.prompt_ids[self.reused :])
-        self.generated = 0
-        self.waiting_for_client = False
-        self.state = RowState(req.params, req.prompt_ids)
-        self.matcher = req.grammar.matcher() if req.grammar is not None else None
+        req, p = msg.request, msg.progress
+        self.request, self.session = req, msg.session
+        tokens = p.tokens if p is not None else req.prompt_ids
+        self.ledger = list(tokens[: msg.reused])
+        self.pending = list(tokens[msg.reused :])
+        self.waiting_for_client = self.waiting_for_pages = self.preempt_requested = False
+        if p is None:
+            self.generated, self.reused = 0, msg.reused
+            self.state = RowState(req.params, req.prompt_ids)
+            self.matcher = req.grammar.matcher() if req.grammar is not None else None
+            msg.session.tell(Started(self.reused))
+        else:  # a preempted request resumes where it stood
+            self.generated, self.reused = p.generated, p.reused
+            self.state, self.matcher = p.state, p.matcher
         self.arrived_at = req.arrived
-        msg.session.tell(Started(self.reused))
         self._offer()
+
+    def _offer(self) -> bool:
+        """Offer this slot's pending tokens for the next step (Ready), once admission has
+        the pages they write; False when nothing was offered."""
+        assert self.request is not None and self.state is not None
+        assert self.placement is not None
+        growth = self.placement.grow(self, len(self.ledger) + len(self.pending))
+        if growth is Growth.WAIT:
+            self.waiting_for_pages = True
+            return False
+        if growth is Growth.FULL:
+            log.warning("context outgrew the whole KV budget", slot=self.id,
+                        tokens=len(self.ledger) + len(self.pending))
+            self._finish("length")
+            return False
+        req = self.request
+        work = RowWork(
+            slot_id=self.id, kv=self.kv, start=len(self.ledger), tokens=self.pending,
+            sample=True, params=req.params, state=self.state, draw=self.generated,
+            logprobs=req.logprobs, top_logprobs=req.top_logprobs, grammar=self.matcher,
+            epoch=self.epoch,
+        )
+        self.in_flight = True
+        self.batcher.tell(Ready(self.id, self.epoch, work, self.prefilling, self.arrived_at,
+                                self))
+        return True
+
+    def _answer(self) -> None:
+        """After a step result: offer again, or tell the Batcher there is nothing (it waits
+        for an answer from every slot it served)."""
+        if self.preempt_requested:
+            self._step_back()
+        elif self._offer():
+            return
+        self.batcher.tell(NoWork(self.id))
 
     def _step_done(self, msg: StepDone) -> None:
         self.in_flight = False
@@ -187,9 +215,10 @@ class Slot(Actor[SlotMessage]):
             self._idle()
             return
         req, session = self.request, self.session
-        assert session is not None and self.state is not None
+        assert session is not None and self.state is not None and self.placement is not None
         self.ledger.extend(self.pending[: msg.fed])
         self.pending = self.pending[msg.fed :]
+        self.placement.written(self)
         if msg.sampled is not None:
             s = msg.sampled
             self.generated += 1
@@ -207,11 +236,15 @@ class Slot(Actor[SlotMessage]):
                 self.batcher.tell(NoWork(self.id))
                 return
             self.pending = [s.token]
-        if session.room() >= 2:  # room for a token and a finish event
-            self._offer()
-        else:  # backpressure: skip ticks until the session drains (it sends Resume)
+        if self.preempt_requested:
+            self._step_back()
+            self.batcher.tell(NoWork(self.id))
+            return
+        if session.room() < 2:  # backpressure: skip ticks until the session drains
             self.waiting_for_client = True
             self.batcher.tell(NoWork(self.id))
+            return
+        self._answer()
 
     def _grammar_done(self) -> bool:
         """Finish when the grammar is complete (only a stop token could follow) or broken."""
@@ -225,25 +258,60 @@ class Slot(Actor[SlotMessage]):
         return True
 
     def _idle(self) -> None:
-        if not self.busy and self.on_idle is not None:
-            self.on_idle(self)
+        """The last step of a finished request has answered: its pages go back now."""
+        if self.placement is None:
+            return
+        if self._release_after is not None:
+            ledger, chain = self._release_after
+            self._release_after = None
+            self.busy = False
+            self.placement.release(self, ledger, chain)
+        elif not self.busy:
+            self.placement.pump()
 
-    def _finish(self, reason: str, error: str | None = None) -> None:
-        assert self.request is not None and self.session is not None
-        usage = Usage(len(self.request.prompt_ids), self.generated, self.reused)
-        self.session.tell(FinishEvent(reason, usage, error))
-        if self.in_flight:  # an offer is out: drop it, or let the step that took it answer
-            self.batcher.tell(Withdraw(self.id, self.epoch))
+    def _clear(self) -> tuple[list[int], Chain]:
+        """Forget the request (the slot is free from here on); returns the ledger and chain
+        its pages are released under."""
+        ledger, chain = self.ledger, self.chain
+        self.chain = Chain(None)
         self.request = None
         self.session = None
         self.state = None
         self.matcher = None
         self.pending = []
+        self.ledger = []
         self.busy = False
-        self.waiting_for_client = False
+        self.waiting_for_client = self.waiting_for_pages = self.preempt_requested = False
         self.epoch += 1
         self.last_used = time.monotonic()
-        self.on_finish(self, reason)
+        return ledger, chain
+
+    def _step_back(self) -> None:
+        """Preempted: hand the request's state to admission (it requeues it) and the pages
+        back to the cache; the session waits without noticing."""
+        assert self.request is not None and self.state is not None and self.placement is not None
+        request = self.request
+        progress = Progress(self.ledger + self.pending, self.generated, self.state,
+                            self.matcher, self.reused)
+        if self.in_flight:
+            self.batcher.tell(Withdraw(self.id, self.epoch))
+        ledger, chain = self._clear()
+        self.placement.suspend(self, request, progress, ledger, chain)
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        assert self.request is not None and self.session is not None
+        assert self.placement is not None
+        usage = Usage(len(self.request.prompt_ids), self.generated, self.reused)
+        self.session.tell(FinishEvent(reason, usage, error))
+        in_flight = self.in_flight
+        if in_flight:  # an offer is out: drop it, or let the step that took it answer
+            self.batcher.tell(Withdraw(self.id, self.epoch))
+        ledger, chain = self._clear()
+        if in_flight:  # that step may still write these pages: release them after it
+            self._release_after = (ledger, chain)
+            self.busy = True  # not placeable, and its pages still count, until then
+        else:
+            self.placement.release(self, ledger, chain)
 
     def on_crash(self, msg: SlotMessage, exc: Exception) -> None:
         was_step = isinstance(msg, StepDone | StepFailed)

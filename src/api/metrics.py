@@ -41,8 +41,8 @@ class EngineCollector(Collector):
             "slotserve_requests_queued": ("Requests waiting for a slot", kv["queued"]),
             "slotserve_slots_busy": ("Slots serving a request", kv["running"]),
             "slotserve_slots_total": ("Configured slots", len(eng.slots)),
-            "slotserve_kv_bytes_used": ("KV cache bytes charged or retained", kv["used"]),
-            "slotserve_kv_bytes_busy": ("KV cache bytes charged to running requests",
+            "slotserve_kv_bytes_used": ("KV cache bytes resident (held or idle)", kv["used"]),
+            "slotserve_kv_bytes_busy": ("KV bytes committed to running requests",
                                         kv["busy"]),
             "slotserve_kv_bytes_budget": ("KV cache byte budget", kv["budget"]),
         }
@@ -50,6 +50,21 @@ class EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        pages = GaugeMetricFamily("slotserve_kv_pages", "KV pages by state (budget, resident, "
+                                  "held by running requests, idle in the prefix cache, shared "
+                                  "by several, promised)", labels=["state"])
+        for state, n in kv["pages"].items():
+            pages.add_metric([state], float(n))
+        yield pages
+        for name, doc, counts in (
+            ("slotserve_kv_preemptions", "Running requests preempted, by reason",
+             kv["preemptions"]),
+            ("slotserve_kv_evictions", "Idle KV pages evicted, by reason", kv["evictions"]),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["reason"])
+            for reason, n in counts.items():
+                c.add_metric([reason], float(n))
+            yield c
         st = eng.batcher.stats
         for name, doc, value in (
             ("slotserve_engine_steps", "Fused model steps run", st.steps),

@@ -137,7 +137,8 @@ def main(args: argparse.Namespace) -> int:
                        max_slots=args.max_slots, max_queue=args.max_queue,
                        kv_budget_bytes=settings.parse_bytes(getattr(args, "kv_budget", None)),
                        prefill_budget=getattr(args, "prefill_budget", 256),
-                       max_parked=getattr(args, "max_parked", None),
+                       kv_reserve_tokens=getattr(args, "kv_reserve_tokens", None),
+                       default_max_tokens=getattr(args, "default_max_tokens", None),
                        allow_batch_variance=getattr(args, "allow_batch_variance", False),
                        cache_scope=getattr(args, "cache_scope", "key"))
     sys.stdout.write(startup_banner(args.host, args.port, keys, model_id_for(args.model)) + "\n")

@@ -3,26 +3,28 @@
 Every layer keeps all slots' keys (and values) in one array of shape
 [pages * kv_heads * BLOCK, head_dim]: page-major, then kv head, then BLOCK
 positions, so each (page, kv head) is one contiguous [BLOCK, head_dim] *block*.
-A slot owns a list of pages (BLOCK positions each, BLOCK being the attention key
+A slot's KV is a list of pages (BLOCK positions each, BLOCK being the attention key
 block), so
 
 * a step writes the new K/V of every row of every slot with one scatter per layer,
 * attention multiplies straight out of the pool (`mx.gather_mm` picks each
   slot's blocks by index): no per-step copy of anyone's keys,
-* memory follows what is written: pages are taken as positions are reserved and
-  given back when a slot's retained KV is evicted; the pool grows (never shrinks)
-  to its high-water mark, never to max_slots x context up front,
-* full pages of a prefix can be shared between slots (a new chat that starts with the
-  system prompt another conversation holds): pages carry a reference count, and a slot
-  never writes into a page another holds (SlotKV.writable_from).
+* memory follows what is written: the arrays grow (never shrink) to the highest page
+  handed out, never to max_slots x context up front,
+* full pages can be held by several slots at once (a shared prefix): pages carry a
+  reference count.
 
-Page bookkeeping is plain Python under a lock (the event loop evicts, the MLX
-thread reserves); the arrays are touched only on the MLX thread.
+Two sides, two threads. The page *bookkeeping* (which ids are free, who holds what) is
+plain Python used by one thread: the event loop in the engine (the prefix cache in
+slotserve.actors.kv_cache hands out and takes back pages), or the caller's own thread in
+single-sequence uses (`SlotKV.reserve`). The *arrays* are touched only on the MLX thread:
+`ensure_arrays` grows them to cover every page handed out, at the start of a step. The
+loop therefore never waits on MLX work, and nothing needs a lock.
 """
 
 from __future__ import annotations
 
-import threading
+import heapq
 from functools import cache
 
 import mlx.core as mx
@@ -30,8 +32,7 @@ import numpy as np
 
 from slotserve.kernels.attention import BLOCK
 
-GROW_STEP = 2 * BLOCK  # admission charges KV in steps of this many positions
-POOL_GROWTH = 0.25  # grow the pool by at least this fraction when it runs out
+POOL_GROWTH = 0.25  # grow the arrays by at least this fraction when they run out
 
 
 class KVPool:
@@ -41,12 +42,11 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.pages = 0
-        self.free: list[int] = []
-        self.refs: list[int] = []  # per page: how many slots' KV hold it (0: free)
+        self.pages = 0  # pages the arrays hold
+        self.refs: list[int] = []  # per page id handed out so far: its holders (0: free)
+        self._free: list[int] = []  # a heap: the lowest free id first keeps the arrays small
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
-        self._lock = threading.Lock()
         if initial_pages:
             self._grow(initial_pages)
 
@@ -62,8 +62,65 @@ class KVPool:
     def nbytes(self) -> int:
         return self.pages * self.page_bytes
 
+    # ---- bookkeeping (one thread: the event loop in the engine) ----------------------
+
+    @property
+    def ids(self) -> int:
+        """Page ids handed out at least once (the arrays must cover them)."""
+        return len(self.refs)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """n page ids, each with one holder: free ones first (lowest id first), then new."""
+        taken = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+        new, first = n - len(taken), len(self.refs)
+        self.refs.extend([0] * new)
+        taken.extend(range(first, first + new))
+        for p in taken:
+            self.refs[p] = 1
+        return taken
+
+    def hold(self, pages: list[int]) -> None:
+        """One more holder of each of these pages."""
+        for p in pages:
+            assert self.refs[p] > 0, "holding a free page"
+            self.refs[p] += 1
+
+    def holders(self, page: int) -> int:
+        return self.refs[page]
+
+    def drop(self, pages: list[int]) -> list[int]:
+        """One holder less of each page; returns the pages nobody holds now (the caller
+        frees them with `free`, or keeps them resident for reuse)."""
+        unheld = []
+        for p in pages:
+            self.refs[p] -= 1
+            assert self.refs[p] >= 0, "dropping a free page"
+            if self.refs[p] == 0:
+                unheld.append(p)
+        return unheld
+
+    def revive(self, page: int) -> None:
+        """A page nobody held (kept resident by its caller) gets a holder again."""
+        assert self.refs[page] == 0
+        self.refs[page] = 1
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refs[p] == 0, "freeing a held page"
+            heapq.heappush(self._free, p)
+
+    # ---- arrays (MLX thread only) ------------------------------------------------------
+
+    def ensure_arrays(self) -> None:
+        """Grow every layer's arrays to cover each page id handed out (start of a step)."""
+        if self.ids > self.pages:
+            self._grow(max(self.ids - self.pages, int(self.pages * POOL_GROWTH), 1))
+
     def _grow(self, extra: int) -> None:
-        """Append `extra` pages to every layer's arrays (MLX thread only)."""
         shape = (extra * self.num_kv_heads * BLOCK, self.head_dim)
         if self.pages == 0:
             self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
@@ -72,8 +129,6 @@ class KVPool:
             self.keys = [mx.concatenate([k, mx.zeros(shape, self.dtype)]) for k in self.keys]
             self.values = [mx.concatenate([v, mx.zeros(shape, self.dtype)]) for v in self.values]
         mx.eval(self.keys, self.values)
-        self.free.extend(range(self.pages + extra - 1, self.pages - 1, -1))
-        self.refs.extend([0] * extra)
         self.pages += extra
 
     def arrays(self) -> list[mx.array]:
@@ -87,34 +142,6 @@ class KVPool:
     def value_blocks(self, layer: int) -> mx.array:
         return self.values[layer].reshape(-1, BLOCK, self.head_dim)
 
-    def allocate(self, n: int) -> list[int]:
-        with self._lock:
-            if len(self.free) < n:
-                need = n - len(self.free)
-                self._grow(max(need, int(self.pages * POOL_GROWTH), 1))
-            taken = [self.free.pop() for _ in range(n)]
-            for p in taken:
-                self.refs[p] = 1
-        return taken
-
-    def share(self, pages: list[int]) -> None:
-        """One more holder of each of these pages."""
-        with self._lock:
-            for p in pages:
-                assert self.refs[p] > 0, "sharing a free page"
-                self.refs[p] += 1
-
-    def shared(self, page: int) -> bool:
-        return self.refs[page] > 1
-
-    def release(self, pages: list[int]) -> None:
-        """One holder less of each page; a page nobody holds is free again."""
-        with self._lock:
-            for p in reversed(pages):
-                self.refs[p] -= 1
-                if self.refs[p] == 0:
-                    self.free.append(p)
-
 
 @cache
 def _head_offsets(heads: int) -> np.ndarray:
@@ -125,15 +152,17 @@ def _head_offsets(heads: int) -> np.ndarray:
 
 
 class SlotKV:
-    """One slot's view of the pool: the pages holding its positions 0..capacity-1.
+    """One sequence's view of the pool: the pages holding its positions 0..capacity-1.
 
-    Positions past the slot's ledger may hold stale values from an earlier request;
+    Positions past the sequence's ledger may hold stale values from an earlier request;
     attention masks them by position.
     """
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.pages: list[int] = []
+        # the engine's cache grants the pages (on the event loop): reserve never takes any
+        self.managed = False
         self._blocks: tuple[int, np.ndarray] | None = None  # (span, blocks(span)), see blocks
 
     @property
@@ -148,12 +177,25 @@ class SlotKV:
     def nbytes(self) -> int:
         return len(self.pages) * self.pool.page_bytes
 
+    def set_pages(self, pages: list[int]) -> None:
+        """Hold exactly these pages (the engine's cache hands them out and takes them back)."""
+        self.pages = pages
+        self._blocks = None
+
+    def add_pages(self, pages: list[int]) -> None:
+        self.pages.extend(pages)
+        self._blocks = None
+
     def reserve(self, end: int) -> None:
-        """Make room for positions [0, end) before a step writes them (MLX thread)."""
+        """Make room for positions [0, end) before a step writes them (MLX thread). In the
+        engine the pages are already there (the cache granted them on the event loop); a
+        single sequence (runtime.plain, tests) takes them from the pool here."""
         missing = -(-end // BLOCK) - len(self.pages)
         if missing > 0:
-            self.pages.extend(self.pool.allocate(missing))
-            self._blocks = None
+            if self.managed:
+                raise RuntimeError(f"KV pages for positions up to {end} were never granted")
+            self.add_pages(self.pool.take(missing))
+        self.pool.ensure_arrays()
 
     def rows_for(self, start: int, end: int) -> np.ndarray:
         """[end - start, kv_heads] pool rows receiving positions start..end-1, per kv head."""
@@ -180,31 +222,8 @@ class SlotKV:
         self._blocks = (span, table)
         return table
 
-    def share_prefix(self, other: SlotKV, pages: int) -> None:
-        """Hold the first `pages` pages of `other` too (this KV must be empty): positions
-        0 .. pages * BLOCK - 1 then read the same K/V without computing it again."""
-        assert not self.pages and pages <= len(other.pages)
-        shared = other.pages[:pages]
-        self.pool.share(shared)
-        self.pages = list(shared)
-        self._blocks = None
-
-    def writable_from(self, start: int) -> int:
-        """Make positions start.. writable (no page from the one holding `start` on is
-        held by another slot) and return the position writing may resume from: `start`,
-        or the start of its page when that page was shared (dropped, so recomputed)."""
-        first = start // BLOCK
-        shared = next((j for j in range(first, len(self.pages))
-                       if self.pool.shared(self.pages[j])), None)
-        if shared is None:
-            return start
-        dropped, self.pages = self.pages[shared:], self.pages[:shared]
-        self._blocks = None
-        self.pool.release(dropped)
-        return start if shared > first else first * BLOCK
-
     def release(self) -> None:
-        """Give every page back (slot evicted)."""
+        """Give every page back to the pool (a single sequence that is done)."""
         pages, self.pages = self.pages, []
         self._blocks = None
-        self.pool.release(pages)
+        self.pool.free(self.pool.drop(pages))

@@ -1,0 +1,235 @@
+"""The one prefix cache: every reusable KV page, keyed by the exact tokens that made it.
+
+A sequence's KV is a list of pages of BLOCK positions (slotserve.model.kv). Every *full*
+page a sequence writes is published under a key that chains the keys of the pages before
+it with the page's own tokens and the sequence's cache namespace:
+
+    key(page j) = blake2b(key(page j - 1) + tokens[j * BLOCK : (j + 1) * BLOCK])
+    key(page -1) = blake2b(namespace)
+
+so two sequences reach the same key exactly when they hold the same tokens at the same
+positions, in the same namespace, and then the page's K/V are the same bits too (the batch
+invariance rules: a position's K/V never depend on the batch that computed them). A new
+request walks its prompt's chain and holds every page found, shared, not copied: a chat
+that opens with another's system prompt, an agent's next turn, a preempted request that
+resumes. A sequence's unfinished last page is kept too when it finishes, as a *tail* of
+its chain (several conversations may part ways inside one page, each keeps its own); only
+a continuation of that chain can use it, and it takes the page over (it will write into
+it), so a conversation's next turn resumes from its very last token. Any other request
+that shares only part of a page recomputes that part (at most BLOCK - 1 positions).
+
+Pages nobody holds stay resident (`idle`, least recently used first) until the budget
+needs them: `allocate` evicts from the front. Namespace None publishes and finds nothing.
+Everything here runs on the event loop (page bookkeeping only; the arrays grow on the MLX
+thread, see KVPool.ensure_arrays).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from slotserve.actors.messages import CacheNamespace
+from slotserve.kernels.attention import BLOCK
+from slotserve.model.kv import KVPool, SlotKV
+
+Key = bytes
+
+
+def root_key(namespace: CacheNamespace) -> Key:
+    return hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest()
+
+
+def next_key(prev: Key, page_tokens: list[int]) -> Key:
+    data = np.asarray(page_tokens, dtype=np.int64).tobytes()
+    return hashlib.blake2b(prev + data, digest_size=16).digest()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (compared a chunk at a time: list equality runs
+    in C, and agents share prompts thousands of tokens long)."""
+    n = min(len(a), len(b))
+    i = 0
+    for chunk in (256, 16, 1):
+        while i + chunk <= n and a[i : i + chunk] == b[i : i + chunk]:
+            i += chunk
+    return i
+
+
+@dataclass
+class Match:
+    """What the cache holds of a token sequence: `pages` cover positions 0..tokens-1."""
+
+    pages: list[int] = field(default_factory=list)
+    tokens: int = 0
+    keys: list[Key] = field(default_factory=list)  # chain keys of the full pages matched
+    tail: int | None = None  # the tail page taken over (the last of `pages`), if any
+
+
+@dataclass
+class Chain:
+    """A running sequence's place in the cache: the keys of its full pages published so
+    far (so publishing the next one hashes one page, not the whole prefix)."""
+
+    namespace: CacheNamespace | None
+    keys: list[Key] = field(default_factory=list)
+
+    def last_key(self) -> Key:
+        assert self.namespace is not None
+        return self.keys[-1] if self.keys else root_key(self.namespace)
+
+
+class KVCache:
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.pages: dict[Key, int] = {}  # full pages by chain key
+        self.key_of: dict[int, Key] = {}
+        # chain key of the full pages before it -> {tail page: the tokens written in it}
+        self.tails: dict[Key, dict[int, list[int]]] = {}
+        self.tail_of: dict[int, Key] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()  # resident, unheld; LRU first
+        self.evictions: Counter[str] = Counter()
+
+    # ---- counts ---------------------------------------------------------------------
+
+    @property
+    def resident(self) -> int:
+        """Pages in use or kept for reuse (what the budget bounds)."""
+        return self.pool.ids - self.pool.free_count
+
+    @property
+    def held(self) -> int:
+        return self.resident - len(self.idle)
+
+    @property
+    def shared(self) -> int:
+        return sum(1 for r in self.pool.refs if r > 1)
+
+    # ---- lookups ----------------------------------------------------------------------
+
+    def lookup(self, tokens: list[int], namespace: CacheNamespace | None) -> Match:
+        """The longest prefix of `tokens` the cache holds, leaving at least the last token
+        to be fed (its logits choose the next token)."""
+        match = Match()
+        if namespace is None or len(tokens) < 2:
+            return match
+        key = root_key(namespace)
+        limit = len(tokens) - 1
+        while (len(match.pages) + 1) * BLOCK <= limit:
+            j = len(match.pages)
+            nk = next_key(key, tokens[j * BLOCK : (j + 1) * BLOCK])
+            page = self.pages.get(nk)
+            if page is None:
+                break
+            match.pages.append(page)
+            match.keys.append(nk)
+            key = nk
+        match.tokens = len(match.pages) * BLOCK
+        rest = tokens[match.tokens :]
+        best, best_page = 0, None
+        for page, written in self.tails.get(key, {}).items():
+            # only a continuation takes a tail over: it holds everything written there (one
+            # that parts ways inside the page would destroy another conversation's end)
+            if (len(written) > best and page in self.idle
+                    and match.tokens + len(written) <= limit
+                    and common_prefix(written, rest) == len(written)):
+                best, best_page = len(written), page
+        if best_page is not None:
+            match.tail = best_page
+            match.pages.append(best_page)
+            match.tokens += best
+        return match
+
+    def newly_held(self, match: Match) -> int:
+        """Pages of the match nobody holds now (holding them takes budget)."""
+        return sum(1 for p in match.pages if p in self.idle)
+
+    def take(self, match: Match, kv: SlotKV, namespace: CacheNamespace | None) -> Chain:
+        """Hold the match's pages in `kv` (which must be empty); the tail is taken over."""
+        assert not kv.pages
+        for p in match.pages:
+            if p in self.idle:
+                del self.idle[p]
+                self.pool.revive(p)
+            else:
+                self.pool.hold([p])
+        if match.tail is not None:
+            self._forget(match.tail)
+        kv.set_pages(list(match.pages))
+        return Chain(namespace, list(match.keys))
+
+    # ---- growth ---------------------------------------------------------------------
+
+    def allocate(self, n: int, budget: int) -> list[int]:
+        """n fresh pages: free ids while the resident count stays within `budget`, then the
+        least recently used idle pages (evicted: their cache entries dropped)."""
+        while n > 0 and self.resident + n > budget and self.idle:
+            self.evict_one("budget")
+        return self.pool.take(n)
+
+    def evict_one(self, reason: str) -> None:
+        page, _ = self.idle.popitem(last=False)
+        self._forget(page)
+        self.pool.free([page])
+        self.evictions[reason] += 1
+
+    def drop_idle(self) -> int:
+        """Evict every idle page (forces cold prefills); returns how many."""
+        n = len(self.idle)
+        while self.idle:
+            self.evict_one("dropped")
+        return n
+
+    # ---- publishing -------------------------------------------------------------------
+
+    def publish(self, kv: SlotKV, ledger: list[int], chain: Chain) -> None:
+        """Publish every full page of `ledger` (tokens whose K/V are written) not yet in the
+        chain. A page whose key another page already holds stays private (freed at the end)."""
+        if chain.namespace is None:
+            return
+        full = len(ledger) // BLOCK
+        while len(chain.keys) < full:
+            j = len(chain.keys)
+            key = next_key(chain.last_key(), ledger[j * BLOCK : (j + 1) * BLOCK])
+            chain.keys.append(key)
+            page = kv.pages[j]
+            if key not in self.pages and page not in self.key_of:
+                self.pages[key] = page
+                self.key_of[page] = key
+
+    def finish(self, kv: SlotKV, ledger: list[int], chain: Chain) -> None:
+        """A sequence lets go of its KV: published pages nobody else holds become idle; its
+        unfinished last page becomes its chain's tail (namespace None: everything freed)."""
+        self.publish(kv, ledger, chain)
+        pages = kv.pages
+        kv.set_pages([])
+        tail_page = pages[len(ledger) // BLOCK] if len(ledger) % BLOCK and \
+            len(pages) > len(ledger) // BLOCK else None
+        unheld = self.pool.drop(pages)
+        keep = chain.namespace is not None
+        for p in unheld:
+            if keep and p in self.key_of:
+                self.idle[p] = None
+            elif keep and p == tail_page:
+                key = chain.last_key()
+                start = (len(ledger) // BLOCK) * BLOCK
+                self.tails.setdefault(key, {})[p] = list(ledger[start:])
+                self.tail_of[p] = key
+                self.idle[p] = None
+            else:
+                self._forget(p)
+                self.pool.free([p])
+
+    def _forget(self, page: int) -> None:
+        key = self.key_of.pop(page, None)
+        if key is not None and self.pages.get(key) == page:
+            del self.pages[key]
+        tkey = self.tail_of.pop(page, None)
+        if tkey is not None:
+            tails = self.tails[tkey]
+            del tails[page]
+            if not tails:
+                del self.tails[tkey]

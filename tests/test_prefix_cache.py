@@ -1,0 +1,237 @@
+"""The one prefix cache and the KV budget (issue 26): conversations keep their KV after
+their slot is gone, a next turn resumes from its last token, idle pages are evicted least
+recently used first, and a request that needs a page the budget cannot give preempts the
+youngest: everyone finishes with the tokens they produce alone (greedy and seeded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import pytest
+from engine_harness import PROMPTS, EngineHarness
+
+from slotserve.actors.kv_cache import Chain, KVCache
+from slotserve.engine import Completion
+from slotserve.kernels.attention import BLOCK
+from slotserve.model.kv import KVPool, SlotKV
+
+PEOPLE = ["Ada", "Grace", "Linus"]
+FACTS = {
+    "Ada": "I write programs for the Analytical Engine and I like poetry, mathematics and "
+           "long walks along the river on cold winter mornings with my old friend Charles.",
+    "Grace": "I build compilers for the Navy, I keep a clock that runs backwards on my wall, "
+             "and I once taped a moth into a logbook after it jammed a relay in a machine.",
+    "Linus": "I started a small operating system kernel as a hobby project one summer, and "
+             "now I spend my days reading patches from thousands of people around the world.",
+}
+
+
+def _first(name: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"My name is {name}. {FACTS[name]} Remember my name."}]
+
+
+@pytest.fixture(scope="module")
+def one_slot() -> Any:
+    h = EngineHarness(max_slots=1, max_queue=4)
+    yield h
+    h.close()
+
+
+def test_three_conversations_through_one_slot_keep_their_kv(one_slot: EngineHarness) -> None:
+    engine = one_slot.engine
+    engine.drop_retained()
+    turn1 = {}
+    for name in PEOPLE:  # each first turn follows the previous one through the one slot
+        turn1[name] = one_slot.call(
+            lambda n=name: engine.chat_complete(_first(n), max_tokens=12, temperature=0))
+
+    def second(name: str) -> list[dict[str, str]]:
+        return _first(name) + [{"role": "assistant", "content": turn1[name].text},
+                               {"role": "user", "content": "What is my name?"}]
+
+    warm = {}
+    for name in PEOPLE:
+        warm[name] = one_slot.call(
+            lambda n=name: engine.chat_complete(second(n), max_tokens=12, temperature=0))
+        # the whole first turn's prompt (its last page is the conversation's tail)
+        assert warm[name].usage.reused_tokens >= len(engine.render_chat(_first(name))) - 1
+    for name in PEOPLE:
+        engine.drop_retained()
+        cold = one_slot.call(
+            lambda n=name: engine.chat_complete(second(n), max_tokens=12, temperature=0))
+        assert cold.usage.reused_tokens == 0
+        assert cold.token_ids == warm[name].token_ids and cold.text == warm[name].text
+
+
+def test_idle_pages_count_and_are_evicted_least_recently_used(one_slot: EngineHarness) -> None:
+    engine = one_slot.engine
+    admission = engine.admission
+    assert admission is not None
+    engine.drop_retained()
+    for name in PEOPLE:
+        one_slot.call(lambda n=name: engine.chat_complete(_first(n), max_tokens=4,
+                                                          temperature=0))
+    cache = admission.cache
+    idle = len(cache.idle)
+    assert idle >= 3 and cache.resident == idle and cache.held == 0
+    newest = next(reversed(cache.idle))
+    old_budget = admission.budget_pages
+    try:  # room for one request: a prompt page and its reserve (promised, not yet taken)
+        admission.budget_pages = 1 + admission.reserve_pages
+        one_slot.call(lambda: engine.chat_complete([{"role": "user", "content": "Hi"}],
+                                                   max_tokens=4, temperature=0))
+        assert cache.resident <= admission.budget_pages
+        # least recently used first: the newest idle page is still there
+        assert cache.evictions["budget"] >= 1 and newest in cache.idle
+        assert engine.kv_summary()["evictions"]["budget"] == cache.evictions["budget"]
+    finally:
+        admission.budget_pages = old_budget
+        engine.drop_retained()
+
+
+def _options(i: int) -> dict[str, Any]:
+    if i % 2:
+        return {"temperature": 0.8, "seed": 40 + i, "max_tokens": 200, "ignore_eos": True}
+    return {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+
+
+def test_preempted_requests_resume_with_their_own_tokens() -> None:
+    """Six requests that each end on a second page, a budget of six pages and no reserve:
+    when they cross into their second page, the youngest step back, resume later, and
+    every one finishes with exactly the tokens it produces alone."""
+    h = EngineHarness(max_slots=6, max_queue=8, kv_reserve_tokens=0)
+    try:
+        engine = h.engine
+        adm = engine.admission
+        assert adm is not None
+        prompts = [[{"role": "user", "content": p}] for p in PROMPTS[:6]]
+        assert all(len(engine.render_chat(p)) + 200 <= 2 * BLOCK for p in prompts)
+        alone = []
+        for i, p in enumerate(prompts):
+            engine.drop_retained()
+            alone.append(h.call(lambda p=p, i=i: engine.chat_complete(p, **_options(i))))
+        engine.drop_retained()
+        adm.budget_pages = 6
+
+        async def together() -> list[Completion]:
+            out: list[Any] = [None] * len(prompts)
+
+            async def one(i: int) -> None:
+                out[i] = await engine.chat_complete(prompts[i], **_options(i))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+                    await anyio.sleep(0.01)  # arrival order: 0 oldest
+            return out
+
+        both = h.call(together)
+        assert sum(adm.preemptions.values()) > 0
+        for i, (a, b) in enumerate(zip(alone, both, strict=True)):
+            assert b.finish_reason == "length", (i, b.error)
+            assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+        assert engine.kv_summary()["busy"] == 0
+    finally:
+        h.close()
+
+
+def test_requests_without_max_tokens_all_complete_on_a_small_budget() -> None:
+    """SmolLM2 with 64 MiB of KV (eleven pages): eight requests that leave max_tokens out
+    (each may run to the context) are admitted as pages allow and all finish."""
+    h = EngineHarness(max_slots=8, max_queue=16, kv_budget_bytes=64 * 2**20)
+    try:
+        engine = h.engine
+        questions = [[{"role": "user", "content": p}] for p in PROMPTS]
+
+        async def run() -> list[Completion]:
+            return list(await _gather([engine.chat_complete(q, temperature=0)
+                                       for q in questions]))
+
+        out = h.call(run)
+        for c in out:
+            assert c.finish_reason in ("stop", "length") and c.error is None, c
+        for q, c in zip(questions, out, strict=True):
+            engine.drop_retained()
+            alone = h.call(lambda q=q: engine.chat_complete(q, temperature=0))
+            assert alone.token_ids == c.token_ids
+        assert engine.kv_summary()["pages"]["budget"] == 64 * 2**20 // engine.kv_summary()[
+            "page_bytes"]
+    finally:
+        h.close()
+
+
+async def _gather(coros: list[Any]) -> list[Any]:
+    out: list[Any] = [None] * len(coros)
+
+    async def one(i: int) -> None:
+        out[i] = await coros[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(coros)):
+            tg.start_soon(one, i)
+    return out
+
+
+# ---- the cache itself ----------------------------------------------------------------
+
+def _cache() -> tuple[KVPool, KVCache]:
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=8, dtype=mx.float32)
+    return pool, KVCache(pool)
+
+
+def _run(cache: KVCache, tokens: list[int],
+         ns: tuple[str, str] = ("", "")) -> tuple[SlotKV, Chain]:
+    """A sequence that wrote `tokens` (its pages taken as the cache would hand them out)."""
+    kv = SlotKV(cache.pool)
+    match = cache.lookup(tokens, ns)
+    chain = cache.take(match, kv, ns)
+    kv.add_pages(cache.allocate(-(-len(tokens) // BLOCK) - len(kv.pages), 1000))
+    cache.publish(kv, tokens, chain)
+    return kv, chain
+
+
+def test_full_pages_are_shared_by_exact_prefix_and_namespace() -> None:
+    _, cache = _cache()
+    a_tokens = list(range(3 * BLOCK + 10))
+    a, _ = _run(cache, a_tokens)
+    same = cache.lookup(a_tokens[: 2 * BLOCK] + [-1] * 50, ("", ""))
+    assert same.pages == a.pages[:2] and same.tokens == 2 * BLOCK
+    assert cache.lookup(a_tokens, ("other", "")).tokens == 0  # another namespace
+    assert cache.lookup(a_tokens, None).tokens == 0
+    changed = [7, *a_tokens[1:]]  # the first token differs: no page matches
+    assert cache.lookup(changed, ("", "")).tokens == 0
+    # the whole prompt cached: the last token is still fed
+    assert cache.lookup(a_tokens[: 3 * BLOCK], ("", "")).tokens == 2 * BLOCK
+
+
+def test_a_tail_is_taken_over_by_its_continuation_only() -> None:
+    pool, cache = _cache()
+    tokens = list(range(BLOCK + 40))
+    a, chain = _run(cache, tokens)
+    cache.finish(a, tokens, chain)
+    assert cache.held == 0 and len(cache.idle) == 2  # one full page, one tail
+    turn2 = [*tokens, 999, 998]
+    m = cache.lookup(turn2, ("", ""))
+    assert m.tokens == BLOCK + 40 and m.tail is not None
+    b = SlotKV(pool)
+    cache.take(m, b, ("", ""))
+    assert pool.holders(m.tail) == 1 and m.tail not in cache.idle
+    assert cache.lookup(turn2, ("", "")).tokens == BLOCK  # taken: nobody else gets it
+
+
+def test_shared_pages_are_freed_when_their_last_holder_lets_go() -> None:
+    pool, cache = _cache()
+    tokens = list(range(2 * BLOCK + 5))
+    a, a_chain = _run(cache, tokens)
+    b_tokens = tokens[: 2 * BLOCK] + [5, 6, 7]
+    b, b_chain = _run(cache, b_tokens)
+    b_pages = list(b.pages)
+    assert b_pages[:2] == a.pages[:2] and cache.shared == 2
+    cache.finish(a, tokens, a_chain)
+    assert all(pool.holders(p) == 1 for p in b_pages[:2])
+    cache.finish(b, b_tokens, b_chain)
+    assert cache.held == 0
+    assert cache.drop_idle() == 4  # two full pages, two tails
+    assert pool.free_count == pool.ids
