@@ -36,8 +36,9 @@ SURFACES: dict[str, tuple[str, dict[str, Any]]] = {
              {"messages": COUNT[:1], "max_tokens": LONG, "ignore_eos": True}),
     "completions": ("/v1/completions",
                     {"prompt": "1, 2, 3, 4, 5,", "max_tokens": LONG, "ignore_eos": True}),
-    # no ignore_eos on Anthropic's API: the reply continues a count (the prefill)
-    "anthropic": ("/v1/messages", {"model": "default", "max_tokens": LONG, "messages": COUNT}),
+    # no ignore_eos on Anthropic's API: the greedy reply continues a count (the prefill)
+    "anthropic": ("/v1/messages", {"model": "default", "max_tokens": LONG, "temperature": 0,
+                                   "messages": COUNT}),
 }
 SLOTS, QUEUE = 4, 8
 
