@@ -132,12 +132,17 @@ def test_prefix_reuse_invariance(harness: EngineHarness) -> None:
     cold = harness.call(lambda: engine.chat_complete(second, max_tokens=16, temperature=0))
     assert cold.usage.reused_tokens == 0
     assert warm.token_ids == cold.token_ids and warm.text == cold.text
-    # seeded sampling too
+    # seeded sampling too: a seeded turn 2 that continues a seeded turn 1
     opts = {"temperature": 1.0, "seed": 7}
-    warm_s = harness.call(lambda: engine.chat_complete(second, max_tokens=16, **opts))
-    assert warm_s.usage.reused_tokens > 0
     engine.drop_retained()
-    cold_s = harness.call(lambda: engine.chat_complete(second, max_tokens=16, **opts))
+    turn1_s = harness.call(lambda: engine.chat_complete(first, max_tokens=16, **opts))
+    second_s = first + [{"role": "assistant", "content": turn1_s.text},
+                        {"role": "user", "content": "What is my name?"}]
+    warm_s = harness.call(lambda: engine.chat_complete(second_s, max_tokens=16, **opts))
+    assert warm_s.usage.reused_tokens > 20
+    engine.drop_retained()
+    cold_s = harness.call(lambda: engine.chat_complete(second_s, max_tokens=16, **opts))
+    assert cold_s.usage.reused_tokens == 0
     assert warm_s.token_ids == cold_s.token_ids
 
 
