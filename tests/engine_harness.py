@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -60,3 +61,13 @@ async def signal_first(stream: AsyncIterator[Delta], event: anyio.Event) -> Asyn
         if delta.token_ids:
             event.set()
         yield delta
+
+
+def wait_until(pred: Callable[[], object], timeout: float, step: float = 0.02) -> bool:
+    """Poll `pred` until it holds or `timeout` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return bool(pred())

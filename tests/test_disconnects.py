@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from engine_harness import wait_until
 
 from slotserve.actors.session import Session
 from slotserve.api.app import create_app
@@ -91,13 +92,6 @@ def send_errors() -> Iterator[SendErrors]:
     logger.removeHandler(handler)
 
 
-def wait_until(pred: Any, timeout: float, step: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return bool(pred())
 
 
 def idle(server: BackgroundServer) -> bool:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from engine_harness import wait_until
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -80,13 +80,6 @@ def idle(server: BackgroundServer) -> bool:
     return not eng.admission.queue and all(not s.busy and not s.in_flight for s in eng.slots)
 
 
-def wait_until(pred: Any, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return bool(pred())
 
 
 # ---- basics --------------------------------------------------------------------------------

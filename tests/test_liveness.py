@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engine_harness import EngineHarness
+from engine_harness import EngineHarness, wait_until
 
 from slotserve.actors.batcher import Batcher
 from slotserve.actors.messages import StepDone
@@ -47,13 +47,6 @@ def crash_plan_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def wait_until(pred: Any, timeout: float, step: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return bool(pred())
 
 
 # ---- a Slot's handler raises: contained ------------------------------------------------
