@@ -290,11 +290,10 @@ class Slot(Actor[SlotMessage]):
         """Preempted: hand the request's state to admission (it requeues it) and the pages
         back to the cache; the session waits without noticing."""
         assert self.request is not None and self.state is not None and self.placement is not None
+        assert not self.in_flight, "a slot steps back only once its offer is answered"
         request = self.request
         progress = Progress(self.ledger + self.pending, self.generated, self.state,
                             self.matcher, self.reused)
-        if self.in_flight:
-            self.batcher.tell(Withdraw(self.id, self.epoch))
         ledger, chain = self._clear()
         self.placement.suspend(self, request, progress, ledger, chain)
 

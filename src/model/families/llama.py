@@ -8,6 +8,7 @@ interleaved, which the reader undoes) and an lm_head of its own or tied to the e
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -27,11 +28,12 @@ class Attention(layers.Attention):
     """q/k/v projections (fused, no bias), RoPE, grouped-query attention, o projection."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, layer: int,
-                 rope: layers.Rope, dtype: mx.Dtype, quant: bool) -> None:
+                 rope: layers.Rope, dtype: mx.Dtype, quant: bool, **head_norms: Any) -> None:
         super().__init__(
             w[f"{p}.q_proj.weight"], w[f"{p}.k_proj.weight"], w[f"{p}.v_proj.weight"],
             w[f"{p}.o_proj.weight"], dtype, quant, layer=layer, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=cfg.attn_scale, rope=rope,
+            **head_norms,
         )
 
 

@@ -19,18 +19,14 @@ from slotserve.model.weights import Tensor
 GGUF_HEAD_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
-class Attention(layers.Attention):
+class Attention(llama.Attention):
     """Llama attention with rms_norm over each q and k head (before RoPE)."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, layer: int,
                  rope: layers.Rope, dtype: mx.Dtype, quant: bool) -> None:
-        super().__init__(
-            w[f"{p}.q_proj.weight"], w[f"{p}.k_proj.weight"], w[f"{p}.v_proj.weight"],
-            w[f"{p}.o_proj.weight"], dtype, quant, layer=layer, heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=cfg.attn_scale, rope=rope,
-            q_norm=llama.rms_norm(w, f"{p}.q_norm", cfg, dtype),
-            k_norm=llama.rms_norm(w, f"{p}.k_norm", cfg, dtype),
-        )
+        super().__init__(cfg, w, p, layer, rope, dtype, quant,
+                         q_norm=llama.rms_norm(w, f"{p}.q_norm", cfg, dtype),
+                         k_norm=llama.rms_norm(w, f"{p}.k_norm", cfg, dtype))
 
 
 class Block(decoder.PreNormBlock):
