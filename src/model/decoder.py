@@ -86,12 +86,12 @@ class PreNormBlock(Layer):
 
     def _native_form(self) -> NativeBlock | None:
         """None unless block.c computes exactly this block: this class's __call__, attention
-        and a SwiGLU MLP on the CPU kernels, no window, RMS norms of one eps (the q/k head
-        norms too, if any) and widths the kernels take (multiples of 16)."""
+        and a SwiGLU MLP on the CPU kernels, no window, no projection bias, RMS norms of one
+        eps (the q/k head norms too, if any) and widths the kernels take (multiples of 16)."""
         a, m = self.attn, self.mlp
         if (type(self).__call__ is not PreNormBlock.__call__ or not isinstance(m, GatedMLP)
                 or m.backend is not Backend.CPU or a.backend is not Backend.CPU
-                or a.window is not None):
+                or a.window is not None or a.qkv.bias is not None or a.o.bias is not None):
             return None
         norms = [n for n in (self.in_norm, self.post_norm, a.q_norm, a.k_norm) if n is not None]
         rms = [n for n in norms if isinstance(n, RMSNorm)]
@@ -195,7 +195,7 @@ class Decoder(Layer):
             self._on_host = (all(isinstance(b, PreNormBlock) and b.runs_on_host()
                                  for b in self.layers)
                              and isinstance(self.norm, RMSNorm)
-                             and self.lm_head.kernel is not None)
+                             and self.lm_head.kernel is not None and self.lm_head.bias is None)
         return self._on_host
 
     _on_host: bool | None = None

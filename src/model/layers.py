@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Protocol
 
@@ -131,6 +131,9 @@ class Batch:
     effects: list[mx.array] = field(default_factory=list)
     # each RoPE table's cos/sin gathered at the rows' positions, once a step (rope_rows)
     rope_cache: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
+    # kv heads its tables address (0: the pool's); views for layers of other head counts
+    kv_heads: int = 0
+    views: dict[int, Batch] = field(default_factory=dict)
 
     @staticmethod
     def build(parts: list[tuple[SlotKV, int, int]], reserve: bool = True) -> Batch:
@@ -208,6 +211,35 @@ class Batch:
                 inverse[r] = i
             self.order = mx.array(inverse, dtype=mx.int32)
 
+    def for_heads(self, heads: int) -> Batch:
+        """This step as a pool layer of `heads` kv heads sees it (a pool whose layers differ,
+        KVPool.of_shapes): the same rows, positions, RoPE rows and K/V effects, with its write
+        rows and block tables addressing that layer's blocks. Derived from this batch's own
+        tables by array arithmetic, so a traced step (runtime.compiled) derives them too."""
+        pool = self.pool
+        own = self.kv_heads or (pool.num_kv_heads if pool is not None else heads)
+        if pool is None or heads == own:
+            return self
+        if heads not in self.views:
+            def blocks(t: Any) -> Any:
+                return _rehead(t, own, heads)
+
+            def rows(w: Any) -> Any:
+                return blocks(w // BLOCK) * BLOCK + w[:, :1] % BLOCK
+
+            native = self.native
+            if native is not None:
+                native = RowTables(blocks(native.tables), native.row_table, native.row_pos,
+                                   None if native.write_rows is None
+                                   else rows(native.write_rows))
+            self.views[heads] = replace(
+                self, kv_heads=heads, views={}, native=native,
+                write_rows=None if self.write_rows is None else rows(self.write_rows),
+                cuda=None if self.cuda is None else (blocks(self.cuda[0]), *self.cuda[1:]),
+                decode_groups=[replace(g, blocks=blocks(g.blocks)) for g in self.decode_groups],
+                prefill=[(seg, blocks(b)) for seg, b in self.prefill])
+        return self.views[heads]
+
     def written(self) -> list[mx.array]:
         """What a step's forward must evaluate for its K/V to be in the pool."""
         return [*self.pool.arrays(), *self.effects] if self.pool is not None else []
@@ -241,6 +273,15 @@ class Batch:
     def pad_tokens(self, tokens: mx.array) -> mx.array:
         extra = self.padded_rows - tokens.shape[0]
         return tokens if extra == 0 else mx.concatenate([tokens, mx.zeros((extra,), tokens.dtype)])
+
+
+def _rehead(table: Any, heads: int, to: int) -> Any:
+    """Pool block indices (page * heads + kv head, along the last axis) of `heads`-head
+    layers, readdressed for a layer of `to` kv heads; numpy or MLX arrays alike."""
+    page = table[..., :1] // heads
+    lanes = (mx.arange(to, dtype=table.dtype) if isinstance(table, mx.array)
+             else np.arange(to, dtype=table.dtype))
+    return page * to + lanes
 
 
 def pad_rows(x: mx.array) -> mx.array:
@@ -328,18 +369,25 @@ def _use_cpu_kernel(compute_dtype: mx.Dtype, keep_quantized: bool) -> bool:
 
 
 class Linear(Layer):
-    """y = x W^T, with W kept dense or affine-quantized.
+    """y = x W^T (+ b), with W kept dense or affine-quantized.
 
     CPU: dense W in the narrowest float type that holds its values exactly (dequantized
     GGUF weights are exact in float16) through slotserve's own kernel
     (slotserve.kernels.cpu_gemm), 4/8-bit W through cpu_qgemm, or W in float32 through
     MLX/OpenBLAS when those kernels are unavailable. GPU: quantized tensors stay quantized;
     4-bit ones run through slotserve's batch-invariant CUDA kernel (slotserve.kernels.cuda)
-    when it applies, the rest through MLX's matmuls.
+    when it applies, the rest through MLX's matmuls. A bias (Qwen2's q/k/v, `attention_bias`
+    / `mlp_bias` checkpoints) is one MLX add after whichever matmul ran, before the residual
+    (HF's order: (x W^T + b) + residual), the same on every backend.
     """
 
     def __init__(self, weight: Tensor, compute_dtype: mx.Dtype, keep_quantized: bool,
-                 pack: bool = True) -> None:
+                 pack: bool = True, bias: Tensor | None = None) -> None:
+        self.bias: mx.array | None = None
+        if bias is not None:
+            assert isinstance(bias, mx.array), "biases are never quantized"
+            assert bias.shape == (weight.shape[0],), (bias.shape, weight.shape)
+            self.bias = bias.astype(compute_dtype)
         self.q: QuantizedWeight | None = None
         self.w: mx.array | None = None
         self.q4: tuple[mx.array, mx.array] | None = None  # cuda.q4_pack layouts
@@ -379,11 +427,20 @@ class Linear(Layer):
         before it is packed): output column i is then row order[i]'s."""
         assert self.q is not None and self.q4 is None, "reorder kept weights before packing"
         self.q = self.q.take_rows(order)
+        if self.bias is not None:
+            self.bias = self.bias[order]
 
     @staticmethod
     def fused(parts: list[Tensor], compute_dtype: mx.Dtype, keep_quantized: bool,
-              pack: bool = True) -> Linear:
-        """One matrix for several projections of the same input (QKV, gate+up)."""
+              pack: bool = True, biases: list[Tensor | None] | None = None) -> Linear:
+        """One matrix for several projections of the same input (QKV, gate+up); their biases,
+        when any part has one, as one vector (zeros for a part without)."""
+        bias = None
+        if biases is not None and any(b is not None for b in biases):
+            vectors = [mx.zeros((p.shape[0],), mx.float32) if b is None else b
+                       for p, b in zip(parts, biases, strict=True)]
+            assert all(isinstance(b, mx.array) for b in vectors), "biases are never quantized"
+            bias = mx.concatenate([b.astype(mx.float32) for b in vectors])  # type: ignore[union-attr]
         cpu_quantized = (_use_cpu_kernel(compute_dtype, keep_quantized)
                          and native.library() is not None
                          and all(isinstance(p, QuantizedWeight) and cpu_qgemm.supported(p)
@@ -403,6 +460,7 @@ class Linear(Layer):
                     compute_dtype,
                     keep_quantized,
                     pack,
+                    bias,
                 )
         exact = _use_cpu_kernel(compute_dtype, keep_quantized) and native.library()
         dense = [
@@ -411,12 +469,18 @@ class Linear(Layer):
         ]
         if len({d.dtype for d in dense}) > 1 or not exact:
             dense = [d.astype(compute_dtype) for d in dense]
-        return Linear(mx.concatenate(dense), compute_dtype, False, pack)
+        return Linear(mx.concatenate(dense), compute_dtype, False, pack, bias)
 
     def __call__(self, x: mx.array, residual: mx.array | None = None,
                  norm: Norm | None = None) -> mx.array:
-        """norm(x) W^T (x W^T without a norm), plus `residual` when given; the CUDA 4-bit
-        kernel does an RMS norm and the add in its own launch."""
+        """norm(x) W^T (x W^T without a norm) + the bias, plus `residual` when given; the CUDA
+        4-bit kernel does an RMS norm and the residual add in its own launch."""
+        if self.bias is not None:
+            return plus(self._product(x, None, norm) + self.bias, residual)
+        return self._product(x, residual, norm)
+
+    def _product(self, x: mx.array, residual: mx.array | None, norm: Norm | None) -> mx.array:
+        """norm(x) W^T, plus `residual` when given (no bias)."""
         if self.q4 is not None:
             x, fused_norm = kernel_norm(x, norm)
             return cuda.q4_matmul(x, *self.q4, residual=residual, norm=fused_norm)
@@ -436,6 +500,8 @@ class Linear(Layer):
 
     def arrays(self) -> list[mx.array]:
         out = [] if self.w is None else [self.w]
+        if self.bias is not None:
+            out.append(self.bias)
         if self.q is not None:
             out += [self.q.weight, self.q.scales, self.q.biases]
         if self.q4 is not None:
@@ -493,6 +559,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "proportional":  # Gemma 4's global layers: only the first frequencies rotate
+        rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv = mx.where(mx.arange(head_dim // 2) < rotated, inv, 0.0)
+        return inv / float(scaling.get("factor", 1.0))
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor
@@ -565,15 +635,18 @@ class Attention(Layer):
     """Self-attention of one layer over a row batch: a fused QKV projection, optionally a
     norm of each q and k head, rotate-half RoPE, the K/V write into the pool, each row
     against its own slot's keys (causal; within `window` positions when given), and the
-    output projection."""
+    output projection; `biases` are the (q, k, v, o) projection biases, each optional."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dtype: mx.Dtype,
                  keep_quantized: bool, *, layer: int, heads: int, kv_heads: int,
                  head_dim: int, scale: float, rope: Rope, q_norm: Norm | None = None,
-                 k_norm: Norm | None = None, window: int | None = None) -> None:
+                 k_norm: Norm | None = None, window: int | None = None,
+                 biases: tuple[Tensor | None, ...] | None = None) -> None:
         assert (q_norm is None) == (k_norm is None), "q and k heads are normed alike"
-        self.qkv = Linear.fused([q, k, v], dtype, keep_quantized)
-        self.o = Linear(o, dtype, keep_quantized)
+        q_bias, k_bias, v_bias, o_bias = biases or (None,) * 4
+        self.qkv = Linear.fused([q, k, v], dtype, keep_quantized,
+                                biases=[q_bias, k_bias, v_bias])
+        self.o = Linear(o, dtype, keep_quantized, bias=o_bias)
         self.layer, self.heads, self.kv_heads, self.head_dim = layer, heads, kv_heads, head_dim
         self.scale, self.rope, self.window = scale, rope, window
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -668,6 +741,94 @@ class Attention(Layer):
         return out.reshape(out.shape[0], -1)
 
 
+
+class SharedKVAttention(Attention):
+    """Attention of a model whose layers differ in K/V and may share it (Gemma 4): each
+    layer addresses the pool with its own kv heads and head size (KVPool.of_shapes); a
+    layer without k (`k` None) writes nothing and reads pool layer `layer`, which an
+    earlier layer wrote; a layer without v takes its values from the keys' projection
+    (before the k norm); `v_norm` norms each value head. Every layer of a model runs on the
+    backend its widest head allows (`backend_dim`), as the step's tables are built once."""
+
+    def __init__(self, q: Tensor, k: Tensor | None, v: Tensor | None, o: Tensor,
+                 dtype: mx.Dtype, keep_quantized: bool, *, layer: int, heads: int,
+                 kv_heads: int, head_dim: int, scale: float, rope: Rope, q_norm: Norm,
+                 k_norm: Norm | None, v_norm: Norm | None, window: int | None,
+                 backend_dim: int) -> None:
+        self.writes = k is not None
+        self.keys_as_values = v is None
+        assert self.writes or v is None, "a layer reading shared K/V has no v projection"
+        assert (k_norm is not None) == self.writes, "a layer that writes keys norms them"
+        projections = [t for t in (q, k, v) if t is not None]
+        self.qkv = (Linear.fused(projections, dtype, keep_quantized) if len(projections) > 1
+                    else Linear(q, dtype, keep_quantized))
+        self.o = Linear(o, dtype, keep_quantized)
+        self.layer, self.heads, self.kv_heads, self.head_dim = layer, heads, kv_heads, head_dim
+        self.scale, self.rope, self.window = scale, rope, window
+        self.q_norm, self.k_norm, self.v_norm = q_norm, k_norm, v_norm
+        self.backend = attention_backend(dtype, max(head_dim, backend_dim))
+        self._attend = {Backend.CUDA: self._cuda_kernels, Backend.CPU: self._cpu_kernel,
+                        Backend.MLX: self._mlx_ops}[self.backend]
+
+    def __call__(self, x: mx.array, batch: Batch, residual: mx.array | None = None,
+                 norm: Norm | None = None) -> mx.array:
+        return self.o(self._attend(self.qkv(x, norm=norm), batch.for_heads(self.kv_heads)),
+                      residual)
+
+    def parts(self) -> list[Layer]:
+        norms = [n for n in (self.q_norm, self.k_norm, self.v_norm) if n is not None]
+        return [self.qkv, self.o, *norms]  # type: ignore[list-item]
+
+    def _heads(self, qkv: mx.array) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """q, and k and v (None on a layer that reads shared K/V), each head normed."""
+        r, d = qkv.shape[0], self.head_dim
+        nq, nk = self.heads * d, self.kv_heads * d
+        q = self.q_norm(qkv[:, :nq].reshape(r, self.heads, d))
+        if not self.writes:
+            return q, None, None
+        k = qkv[:, nq : nq + nk].reshape(r, self.kv_heads, d)
+        v = k if self.keys_as_values else qkv[:, nq + nk :].reshape(r, self.kv_heads, d)
+        assert self.k_norm is not None
+        k = self.k_norm(k)
+        return q, k, v if self.v_norm is None else self.v_norm(v)
+
+    def _cuda_kernels(self, qkv: mx.array, batch: Batch) -> mx.array:
+        """The normed heads as the fused rows cuda.rope_attention reads; a layer reading
+        shared K/V rotates q with MLX ops and runs the paged attention kernel alone."""
+        pool = batch.pool
+        assert pool is not None and batch.write_rows is not None and batch.cuda is not None
+        q, k, v = self._heads(qkv)
+        if k is None or v is None:
+            cos, sin = batch.rope_rows(self.rope)
+            return cuda.paged_attention(Rope.apply(q, cos, sin), pool.keys[self.layer],
+                                        pool.values[self.layer], *batch.cuda, self.scale,
+                                        self.window).reshape(q.shape[0], -1)
+        r = qkv.shape[0]
+        rows = mx.concatenate([q.reshape(r, -1), k.reshape(r, -1), v.reshape(r, -1)], axis=1)
+        self.rope.reserve(batch.max_pos)
+        out = cuda.rope_attention(rows, self.rope.cos, self.rope.sin, batch.write_rows,
+                                  pool.keys[self.layer], pool.values[self.layer], *batch.cuda,
+                                  self.scale, self.heads, self.kv_heads, self.head_dim,
+                                  batch.one_row_per_slot, self.window)
+        batch.effects.append(out)  # its K/V writes must run even if no logits are asked
+        return out
+
+    def _write_rotated(self, qkv: mx.array, batch: Batch) -> mx.array:
+        """q rotated; k rotated and written with v, on a layer that writes K/V."""
+        q, k, v = self._heads(qkv)
+        cos, sin = batch.rope_rows(self.rope)
+        q = Rope.apply(q, cos, sin)
+        if k is None or v is None:
+            return q
+        k = Rope.apply(k, cos, sin)
+        pool = batch.pool
+        assert pool is not None and batch.write_rows is not None
+        n = batch.rows
+        pool.keys[self.layer][batch.write_rows] = k[:n] if k.shape[0] > n else k
+        pool.values[self.layer][batch.write_rows] = v[:n] if v.shape[0] > n else v
+        return q
+
+
 # ---- MLPs -------------------------------------------------------------------------------
 
 def silu(x: mx.array) -> mx.array:
@@ -686,21 +847,29 @@ class GatedMLP(Layer):
     """down(act(gate(x)) * up(x)), gate and up as one fused matmul (SwiGLU with silu)."""
 
     def __init__(self, gate: Tensor, up: Tensor, down: Tensor, act: Activation,
-                 dtype: mx.Dtype, keep_quantized: bool) -> None:
+                 dtype: mx.Dtype, keep_quantized: bool,
+                 biases: tuple[Tensor | None, Tensor | None, Tensor | None] | None = None) -> None:
+        """biases: (gate, up, down) biases of an `mlp_bias` checkpoint (each may be None);
+        the kernels that fuse SwiGLU into a matmul add none, so the MLP then takes the
+        unfused paths (each Linear adds its own)."""
         self.inter = gate.shape[0]
         self.act = act
-        self.gate_up = Linear.fused([gate, up], dtype, keep_quantized, pack=False)
+        gate_bias, up_bias, down_bias = biases or (None, None, None)
+        self.gate_up = Linear.fused([gate, up], dtype, keep_quantized, pack=False,
+                                    biases=[gate_bias, up_bias])
+        unbiased = self.gate_up.bias is None
         # on the CUDA 4-bit kernel, silu(gate) * up comes out of the gate+up matmul's own
         # launch when gate and up rows are stored in 8-row tile pairs (cuda.paired_rows);
         # `split` undoes the pairing wherever else the product is read
-        self.paired = act is silu and self.inter % 8 == 0 and self.gate_up.packable()
+        self.paired = (act is silu and unbiased and self.inter % 8 == 0
+                       and self.gate_up.packable())
         if self.paired:
             self.gate_up.take_rows(cuda.paired_rows(self.inter))
         self.gate_up.pack_for_gpu()
-        self.down = Linear(down, dtype, keep_quantized)
+        self.down = Linear(down, dtype, keep_quantized, bias=down_bias)
         swiglu = act is silu
-        if (swiglu and self.gate_up.kernel is not None and self.down.kernel is not None
-                and self.inter % 16 == 0):
+        if (swiglu and unbiased and self.down.bias is None and self.gate_up.kernel is not None
+                and self.down.kernel is not None and self.inter % 16 == 0):
             self.backend, self._forward = Backend.CPU, self._cpu_kernels
         elif self.paired:
             self.backend, self._forward = Backend.CUDA, self._cuda_in_matmul

@@ -107,13 +107,41 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, 
     return cfg, weights, meta
 
 
+class _ReadTensors(dict[str, Any]):
+    """The checkpoint's tensors, remembering which names the model read (`build_model`
+    refuses a checkpoint with tensors left over: a bias or norm the family does not apply
+    would make it answer wrong, silently)."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        super().__init__(tensors)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+
 def build_model(cfg: ModelConfig, weights: dict[str, Any], device: str, path: Path) -> Any:
+    """The family's Model from the checkpoint's tensors; every tensor must be read."""
     policy = ComputePolicy.for_device(device)
     model = families.family(cfg.family).model
+    tensors = _ReadTensors(weights)
     try:
-        return model(cfg, weights, policy.dtype, policy.keep_quantized)
+        built = model(cfg, tensors, policy.dtype, policy.keep_quantized)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: missing tensor {exc.args[0]!r} for {cfg.family}") from exc
+    unread = sorted(set(weights) - tensors.read)
+    if unread:
+        shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
+        raise UnsupportedModelError(
+            f"{path}: {len(unread)} tensor(s) the {cfg.family} model does not use: {shown}; "
+            "refusing to load what would answer wrong without them"
+        )
+    return built
 
 
 def eval_model(model: Any) -> None:

@@ -89,6 +89,7 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
             raise UnsupportedModelError(f"{path}: tensor {base} has an unsupported quant type")
         else:
             tensor = w
+        bias = raw.get(base + ".bias")  # Qwen2's q/k/v biases, `attention_bias` models
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
         if m:
             part = layer_names.get(m.group(2))
@@ -97,6 +98,7 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
             name = f"model.layers.{m.group(1)}.{part}"
             if family.gguf_interleaved_qk and part in heads:
                 tensor = _unpermute_rows(tensor, heads[part])
+                bias = None if bias is None else _unpermute_rows(bias, heads[part])
         elif base in GGUF_TOP_NAMES:
             name = GGUF_TOP_NAMES[base]
         else:
@@ -104,6 +106,8 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
         if family.gguf_norm_offset and name.endswith("norm") and isinstance(tensor, mx.array):
             tensor = tensor - family.gguf_norm_offset
         out[name + ".weight"] = tensor
+        if bias is not None:
+            out[name + ".bias"] = bias
     return out
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from slotserve.model.errors import UnsupportedModelError
-from slotserve.model.families import gemma3, llama, qwen3, qwen3_moe
+from slotserve.model.families import gemma3, llama, qwen2, qwen3, qwen3_moe
 from slotserve.model.family import Family
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, gemma3.FAMILY)
+    f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
+                       gemma3.FAMILY)
 }
 
 
