@@ -177,7 +177,7 @@ class Engine:
             self.slots.append(Slot(i, lm.model.new_kv(), self.batcher))
         bpt = self.slots[0].kv.bytes_per_position
         self.admission = Admission(
-            self.slots, KVCache(self.slots[0].kv.pool), max_queue=cfg.max_queue,
+            self.slots, KVCache(self.slots[0].kv.pool, self.mlx.post), max_queue=cfg.max_queue,
             kv_budget=cfg.kv_budget_bytes or default_kv_budget(),
             context_length=lm.config.max_position,
             reserve_tokens=DEFAULT_RESERVE_TOKENS if cfg.kv_reserve_tokens is None

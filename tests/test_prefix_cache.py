@@ -202,8 +202,9 @@ def test_full_pages_are_shared_by_exact_prefix_and_namespace() -> None:
     assert cache.lookup(a_tokens, None).tokens == 0
     changed = [7, *a_tokens[1:]]  # the first token differs: no page matches
     assert cache.lookup(changed, ("", "")).tokens == 0
-    # the whole prompt cached: the last token is still fed
-    assert cache.lookup(a_tokens[: 3 * BLOCK], ("", "")).tokens == 2 * BLOCK
+    # the whole prompt cached: the last token is still fed (its page's start is copied)
+    whole = cache.lookup(a_tokens[: 3 * BLOCK], ("", ""))
+    assert whole.tokens == 3 * BLOCK - 1 and whole.copy == (a.pages[2], BLOCK - 1)
 
 
 def test_a_tail_is_taken_over_by_its_continuation_only() -> None:
@@ -219,6 +220,36 @@ def test_a_tail_is_taken_over_by_its_continuation_only() -> None:
     cache.take(m, b, ("", ""))
     assert pool.holders(m.tail) == 1 and m.tail not in cache.idle
     assert cache.lookup(turn2, ("", "")).tokens == BLOCK  # taken: nobody else gets it
+
+
+def test_a_partly_shared_page_is_copied_and_its_source_let_go() -> None:
+    pool, cache = _cache()
+    tokens = list(range(2 * BLOCK + 40))
+    a, chain = _run(cache, tokens)
+    pool.ensure_arrays()
+    for arrays in (pool.keys, pool.values):  # every pool row holds its own number
+        for i, x in enumerate(arrays):
+            arrays[i] = mx.arange(x.size, dtype=mx.float32).reshape(x.shape) + 1000 * i
+    cache.finish(a, tokens, chain)
+    # parts ways 30 positions into a's second full page / 12 into a's tail
+    for shared in (BLOCK + 30, 2 * BLOCK + 12):
+        b_tokens = [*tokens[:shared], -5, -6, -7]
+        m = cache.lookup(b_tokens, ("", ""))
+        src, n = m.copy or (None, 0)
+        assert m.tokens == shared and len(m.pages) == shared // BLOCK and n == shared % BLOCK
+        held_before = pool.holders(src)
+        b = SlotKV(pool)
+        b_chain = cache.take(m, b, ("", ""))
+        b.add_pages(cache.allocate(-(-len(b_tokens) // BLOCK) - len(b.pages), 1000))
+        cache.copy_into(m, b)  # (inline here; the engine posts it to the MLX thread)
+        assert pool.holders(src) == held_before and src in cache.idle
+        dst = b.pages[len(m.pages)]
+        for arrays in (pool.keys, pool.values):
+            blocks = arrays[0].reshape(-1, BLOCK, pool.head_dim)
+            assert mx.array_equal(blocks[dst, :n], blocks[src, :n])
+            assert not mx.array_equal(blocks[dst, n:], blocks[src, n:])
+        cache.finish(b, b_tokens[:shared], b_chain)
+    assert cache.held == 0
 
 
 def test_shared_pages_are_freed_when_their_last_holder_lets_go() -> None:

@@ -234,6 +234,7 @@ class Admission:
             return False
         slot.chain = self.cache.take(match, slot.kv, req.cache_namespace)
         slot.kv.add_pages(self.cache.allocate(new, self.budget_pages))
+        self.cache.copy_into(match, slot.kv)
         self.promised[slot.id] = reserve
         self.places[slot.id] = w.place
         w.place(slot, match.tokens, w.progress)

@@ -15,8 +15,11 @@ that opens with another's system prompt, an agent's next turn, a preempted reque
 resumes. A sequence's unfinished last page is kept too when it finishes, as a *tail* of
 its chain (several conversations may part ways inside one page, each keeps its own); only
 a continuation of that chain can use it, and it takes the page over (it will write into
-it), so a conversation's next turn resumes from its very last token. Any other request
-that shares only part of a page recomputes that part (at most BLOCK - 1 positions).
+it), so a conversation's next turn resumes from its very last token. A request that
+shares only the first positions of a page (a full page or a tail: a repeated question
+with a new ending, a conversation that parts ways inside a page) gets those positions
+*copied* into a fresh page of its own (`copy_into`, one job on the MLX thread, queued
+before any step that could read them), so nothing it shares is recomputed.
 
 Pages nobody holds stay resident (`idle`, least recently used first) until the budget
 needs them: `allocate` evicts from the front. Namespace None publishes and finds nothing.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,12 +65,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class Match:
-    """What the cache holds of a token sequence: `pages` cover positions 0..tokens-1."""
+    """What the cache holds of a token sequence: `pages` cover positions 0..tokens-1, but
+    for the `copy` part, which goes into the first page granted after them."""
 
     pages: list[int] = field(default_factory=list)
     tokens: int = 0
     keys: list[Key] = field(default_factory=list)  # chain keys of the full pages matched
     tail: int | None = None  # the tail page taken over (the last of `pages`), if any
+    # (page, n): its first n positions are copied into the sequence's next page
+    copy: tuple[int, int] | None = None
 
 
 @dataclass
@@ -82,14 +89,53 @@ class Chain:
         return self.keys[-1] if self.keys else root_key(self.namespace)
 
 
+# runs a job on the MLX thread, then the callback on the caller's thread (MLXThread.post)
+Post = Callable[[Callable[[], None], Callable[[], None]], None]
+
+
+def _inline(job: Callable[[], None], then: Callable[[], None]) -> None:
+    """The default `Post` for single-threaded uses (tests, tools): run both now."""
+    job()
+    then()
+
+
+class PageIndex:
+    """Pages by the chain key of the full pages before them, each with the tokens written
+    in it: where a lookup that found no whole page looks for a page to copy the start of."""
+
+    def __init__(self) -> None:
+        self.under: dict[Key, dict[int, list[int]]] = {}
+        self.parent: dict[int, Key] = {}
+
+    def __contains__(self, page: int) -> bool:
+        return page in self.parent
+
+    def add(self, parent: Key, page: int, written: list[int]) -> None:
+        self.remove(page)
+        self.under.setdefault(parent, {})[page] = written
+        self.parent[page] = parent
+
+    def remove(self, page: int) -> None:
+        parent = self.parent.pop(page, None)
+        if parent is not None:
+            siblings = self.under[parent]
+            del siblings[page]
+            if not siblings:
+                del self.under[parent]
+
+    def get(self, parent: Key) -> dict[int, list[int]]:
+        return self.under.get(parent, {})
+
+
 class KVCache:
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, post: Post = _inline) -> None:
         self.pool = pool
+        self.post = post
         self.pages: dict[Key, int] = {}  # full pages by chain key
         self.key_of: dict[int, Key] = {}
-        # chain key of the full pages before it -> {tail page: the tokens written in it}
-        self.tails: dict[Key, dict[int, list[int]]] = {}
-        self.tail_of: dict[int, Key] = {}
+        self.full = PageIndex()  # the same full pages, under their parent's key
+        self.tails = PageIndex()  # finished sequences' last, unfinished pages
+        self.writing = PageIndex()  # running sequences' unfinished pages, as far as written
         self.idle: OrderedDict[int, None] = OrderedDict()  # resident, unheld; LRU first
         self.evictions: Counter[str] = Counter()
 
@@ -130,7 +176,7 @@ class KVCache:
         match.tokens = len(match.pages) * BLOCK
         rest = tokens[match.tokens :]
         best, best_page = 0, None
-        for page, written in self.tails.get(key, {}).items():
+        for page, written in self.tails.get(key).items():
             # only a continuation takes a tail over: it holds everything written there (one
             # that parts ways inside the page would destroy another conversation's end)
             if (len(written) > best and page in self.idle
@@ -141,25 +187,66 @@ class KVCache:
             match.tail = best_page
             match.pages.append(best_page)
             match.tokens += best
+            return match
+        # no page continues it whole: copy the start of the one sharing the most with it
+        room = limit - match.tokens
+        for index in (self.full, self.tails, self.writing):
+            for page, written in index.get(key).items():
+                n = min(common_prefix(written, rest), room)
+                if n > best:
+                    best, best_page = n, page
+        if best_page is not None:
+            match.copy = (best_page, best)
+            match.tokens += best
         return match
 
     def newly_held(self, match: Match) -> int:
-        """Pages of the match nobody holds now (holding them takes budget)."""
-        return sum(1 for p in match.pages if p in self.idle)
+        """Pages of the match nobody holds now (holding them takes budget; a copy's source
+        is held until the copy is done)."""
+        pages = match.pages if match.copy is None else [*match.pages, match.copy[0]]
+        return sum(1 for p in pages if p in self.idle)
 
     def take(self, match: Match, kv: SlotKV, namespace: CacheNamespace | None) -> Chain:
         """Hold the match's pages in `kv` (which must be empty); the tail is taken over."""
         assert not kv.pages
         for p in match.pages:
-            if p in self.idle:
-                del self.idle[p]
-                self.pool.revive(p)
-            else:
-                self.pool.hold([p])
+            self._hold(p)
         if match.tail is not None:
             self._forget(match.tail)
+        if match.copy is not None:
+            self._hold(match.copy[0])
         kv.set_pages(list(match.pages))
         return Chain(namespace, list(match.keys))
+
+    def copy_into(self, match: Match, kv: SlotKV) -> None:
+        """Copy the match's partial page into kv's first page past the match (granted by
+        now); its source is let go once the copy has run."""
+        if match.copy is None:
+            return
+        src, n = match.copy
+        dst = kv.pages[len(match.pages)]
+        self.post(lambda: self.pool.copy_positions(src, dst, n), lambda: self._let_go(src))
+
+    def _hold(self, page: int) -> None:
+        if page in self.idle:
+            del self.idle[page]
+            self.pool.revive(page)
+        else:
+            self.pool.hold([page])
+
+    def _let_go(self, page: int) -> None:
+        """One holder less of a page outside any sequence (a copy's source): back to idle
+        if the cache still knows it, else freed."""
+        if self.pool.drop([page]):
+            self._settle(page)
+
+    def _settle(self, page: int) -> None:
+        """A page nobody holds: kept (idle) while the cache can find it, else freed."""
+        if page in self.key_of or page in self.tails:
+            self.idle[page] = None
+        else:
+            self._forget(page)
+            self.pool.free([page])
 
     # ---- growth ---------------------------------------------------------------------
 
@@ -187,18 +274,24 @@ class KVCache:
 
     def publish(self, kv: SlotKV, ledger: list[int], chain: Chain) -> None:
         """Publish every full page of `ledger` (tokens whose K/V are written) not yet in the
-        chain. A page whose key another page already holds stays private (freed at the end)."""
+        chain, and how far its unfinished page is written. A page whose key another page
+        already holds stays private (freed at the end)."""
         if chain.namespace is None:
             return
         full = len(ledger) // BLOCK
         while len(chain.keys) < full:
             j = len(chain.keys)
-            key = next_key(chain.last_key(), ledger[j * BLOCK : (j + 1) * BLOCK])
+            parent, written = chain.last_key(), ledger[j * BLOCK : (j + 1) * BLOCK]
+            key = next_key(parent, written)
             chain.keys.append(key)
             page = kv.pages[j]
+            self.writing.remove(page)
             if key not in self.pages and page not in self.key_of:
                 self.pages[key] = page
                 self.key_of[page] = key
+                self.full.add(parent, page, list(written))
+        if len(ledger) % BLOCK and len(kv.pages) > full:
+            self.writing.add(chain.last_key(), kv.pages[full], ledger[full * BLOCK :])
 
     def finish(self, kv: SlotKV, ledger: list[int], chain: Chain) -> None:
         """A sequence lets go of its KV: published pages nobody else holds become idle; its
@@ -206,30 +299,18 @@ class KVCache:
         self.publish(kv, ledger, chain)
         pages = kv.pages
         kv.set_pages([])
-        tail_page = pages[len(ledger) // BLOCK] if len(ledger) % BLOCK and \
-            len(pages) > len(ledger) // BLOCK else None
-        unheld = self.pool.drop(pages)
-        keep = chain.namespace is not None
-        for p in unheld:
-            if keep and p in self.key_of:
-                self.idle[p] = None
-            elif keep and p == tail_page:
-                key = chain.last_key()
-                start = (len(ledger) // BLOCK) * BLOCK
-                self.tails.setdefault(key, {})[p] = list(ledger[start:])
-                self.tail_of[p] = key
-                self.idle[p] = None
-            else:
-                self._forget(p)
-                self.pool.free([p])
+        full = len(ledger) // BLOCK
+        if len(ledger) % BLOCK and len(pages) > full:
+            self.writing.remove(pages[full])
+            if chain.namespace is not None:
+                self.tails.add(chain.last_key(), pages[full], list(ledger[full * BLOCK :]))
+        for p in self.pool.drop(pages):
+            self._settle(p)
 
     def _forget(self, page: int) -> None:
         key = self.key_of.pop(page, None)
         if key is not None and self.pages.get(key) == page:
             del self.pages[key]
-        tkey = self.tail_of.pop(page, None)
-        if tkey is not None:
-            tails = self.tails[tkey]
-            del tails[page]
-            if not tails:
-                del self.tails[tkey]
+        self.full.remove(page)
+        self.tails.remove(page)
+        self.writing.remove(page)

@@ -131,6 +131,18 @@ class KVPool:
         mx.eval(self.keys, self.values)
         self.pages += extra
 
+    def copy_positions(self, src: int, dst: int, n: int) -> None:
+        """Copy positions 0..n-1 of page src into page dst, every layer and kv head (a
+        sequence that shares the start of another's page; see actors.kv_cache)."""
+        self.ensure_arrays()
+        for arrays in (self.keys, self.values):
+            for a in arrays:
+                heads = a.shape[0] // (self.pages * BLOCK)  # (layers may differ)
+                within = (np.arange(heads)[:, None] * BLOCK + np.arange(n)[None, :]).ravel()
+                a[mx.array(dst * heads * BLOCK + within, dtype=mx.int32)] = \
+                    a[mx.array(src * heads * BLOCK + within, dtype=mx.int32)]
+        mx.eval(self.keys, self.values)
+
     def arrays(self) -> list[mx.array]:
         """Every layer's key and value arrays: what a step writing the pool must evaluate."""
         return [*self.keys, *self.values]

@@ -10,9 +10,10 @@ they were submitted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
@@ -51,6 +52,20 @@ class MLXThread:
     async def run(self, fn: Callable[[], T]) -> T:
         """Run fn on the MLX thread; the event loop keeps serving meanwhile."""
         return await asyncio.wrap_future(self._pool.submit(fn))
+
+    def post(self, fn: Callable[[], None], then: Callable[[], None]) -> None:
+        """Queue fn (it runs before any job submitted later) and, once it has run, call
+        `then` on the calling event loop's thread. For loop code that must not wait."""
+        loop = asyncio.get_running_loop()
+        future = self._pool.submit(fn)
+
+        def done(f: Future[None]) -> None:
+            if f.exception() is not None:
+                log.error("MLX job failed", error=repr(f.exception()))
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(then)
+
+        future.add_done_callback(done)
 
     def close(self) -> None:
         """Let the jobs already submitted finish (at most `CLOSE_TIMEOUT_S`), then stop the
