@@ -360,7 +360,10 @@ class Engine:
         )
 
     def submit(self, request: GenerationRequest) -> Session:
-        """Admit or queue a request; raises OverloadedError or AdmissionError at once."""
+        """Admit or queue a request; raises OverloadedError or AdmissionError at once, and
+        EngineFailedError (failed) or EngineClosedError (stopping) when it takes none."""
+        if self.failure is not None:
+            raise EngineFailedError(f"the engine failed: {self.failure}")
         if self.closing or self._tg is None:
             raise EngineClosedError("the engine is shutting down")
         adm = self.admission

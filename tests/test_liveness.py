@@ -26,7 +26,7 @@ from slotserve.actors.slot import Slot
 from slotserve.api import server
 from slotserve.api.app import create_app
 from slotserve.api.server import BackgroundServer
-from slotserve.engine import Completion, EngineClosedError, EngineConfig, EngineFailedError
+from slotserve.engine import Completion, EngineConfig, EngineFailedError
 
 HELLO = [{"role": "user", "content": "Hello there"}]
 OPTIONS: dict[str, Any] = {"max_tokens": 12, "ignore_eos": True, "temperature": 0}
@@ -114,7 +114,7 @@ def test_batcher_crash_fails_the_engine_in_process(monkeypatch: pytest.MonkeyPat
         assert engine.failure is not None and "injected batcher crash" in engine.failure
         assert not engine.ready
         assert not any(s.busy for s in engine.slots) and not engine.admission.queue
-        with pytest.raises(EngineClosedError):
+        with pytest.raises(EngineFailedError, match="injected batcher crash"):
             h.call(lambda: engine.chat_complete(HELLO, **OPTIONS))
         reason = h.call(engine.wait_failed)
         assert reason == engine.failure
