@@ -33,6 +33,9 @@ class ModelConfig:
 
     # tie_word_embeddings when config.json leaves it out (transformers' default per family)
     tied_by_default: ClassVar[bool] = False
+    # config.json keys the family's released files leave out, at transformers' defaults
+    # (Gemma 3 4B-27B's text_config names only what differs from them)
+    hf_defaults: ClassVar[dict[str, Any]] = {}
 
     @property
     def attn_scale(self) -> float:
@@ -71,6 +74,7 @@ def config_from_hf(cfg: dict[str, Any], family: ConfigFamily, source: str) -> Mo
     """Build the family's config from a Hugging Face config.json dict."""
     if "text_config" in cfg:
         cfg = {**cfg, **cfg["text_config"]}
+    cfg = {**family.config.hf_defaults, **cfg}
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     rope = cfg.get("rope_scaling") or None
@@ -83,7 +87,8 @@ def config_from_hf(cfg: dict[str, Any], family: ConfigFamily, source: str) -> Mo
             rope = full
     if rope and rope.get("rope_type", rope.get("type", "default")) == "default":
         rope = None
-    if rope and rope.get("rope_type", rope.get("type")) not in ("llama3", "linear"):
+    if rope and rope.get("rope_type", rope.get("type")) not in ("llama3", "linear",
+                                                                 "proportional"):
         raise UnsupportedModelError(f"{source}: unsupported rope_scaling {rope!r}")
     layers = cfg["num_hidden_layers"]
     kind = family.config

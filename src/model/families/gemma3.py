@@ -1,5 +1,10 @@
 """Gemma 3 text family (gemma-3-270m and up), numerically following HF's Gemma3ForCausalLM.
 
+The 4B/12B/27B checkpoints are `Gemma3ForConditionalGeneration` (model_type gemma3): the
+text config under `text_config`, which names only what differs from transformers' defaults
+(`Config.hf_defaults`), and the text weights under `language_model.`; their text part is
+this model, the vision tower and its projector are left out at load (one log line).
+
 What differs from llama: embeddings scaled by sqrt(hidden); RMSNorm weights act as
 (1 + w) in float32; per-head q/k norms; four norms per block (the attention and MLP
 outputs are normed before their residual adds); a tanh-GELU MLP; sliding-window
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import structlog
 
 from slotserve.model import decoder, layers
 from slotserve.model.config import ModelConfig
@@ -22,6 +28,11 @@ from slotserve.model.family import Family
 from slotserve.model.weights import Tensor
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# what a Gemma3ForConditionalGeneration checkpoint holds beside its text model
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.multi_modal_projector.")
+
+log = structlog.get_logger("slotserve.gemma3")
 
 
 def layer_pattern(n: int, every: int = 6) -> list[str]:
@@ -38,6 +49,13 @@ class Config(ModelConfig):
     final_logit_softcapping: float | None = None
 
     tied_by_default: ClassVar[bool] = True
+    # transformers' Gemma3TextConfig defaults (what 4B's text_config leaves out)
+    hf_defaults: ClassVar[dict[str, Any]] = dict(
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+        max_position_embeddings=131_072, sliding_window=4096,
+    )
 
     @property
     def attn_scale(self) -> float:
@@ -171,11 +189,22 @@ class Model(decoder.Decoder):
         return mx.tanh(logits / self.softcap) * self.softcap
 
 
+def drop_vision(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """Leave a Gemma3ForConditionalGeneration's vision tower and projector out: slotserve
+    serves its text part (text in, text out)."""
+    vision = [k for k in weights if k.startswith(VISION_PREFIXES)]
+    for k in vision:
+        del weights[k]
+    if vision:
+        log.info("vision tower not loaded: serving the text model", tensors=len(vision))
+
+
 FAMILY = Family(
     name="gemma3",
     config=Config,
     model=Model,
-    hf_architectures=("Gemma3ForCausalLM", "Gemma3TextForCausalLM"),
+    hf_architectures=("Gemma3ForCausalLM", "Gemma3TextForCausalLM",
+                      "Gemma3ForConditionalGeneration"),
     hf_model_type="gemma3_text",
     gguf_architecture="gemma3",
     gguf_layer_names={
@@ -186,4 +215,5 @@ FAMILY = Family(
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     gguf_norm_offset=1.0,
+    sanitize=drop_vision,
 )
