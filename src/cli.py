@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer a request still waiting for a slot after this long with 429 "
                         "and Retry-After (default 600; 0 waits without bound)")
     s.add_argument("--kv-budget", default=None,
-                   help="KV cache budget, bytes or with a unit (e.g. 2GiB, 512MiB)")
+                   help="KV cache budget, bytes or with a unit (e.g. 2GiB, 512MiB); default: "
+                   "on a GPU the device memory left after the weights less 10%% (at least "
+                   "4 GiB), on the CPU 30%% of RAM (at most 16 GiB)")
     s.add_argument("--prefill-budget", type=int, default=256)
     s.add_argument("--kv-reserve-tokens", type=int, default=None,
                    help="KV promised to a request beyond its prompt when it starts (default "

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import mlx.core as mx
 import psutil
 import structlog
 
@@ -69,7 +70,7 @@ class EngineConfig:
     device: str = "auto"
     max_slots: int = 8
     max_queue: int = 64
-    kv_budget_bytes: int | None = None  # None: 30% of RAM, at most 16 GiB
+    kv_budget_bytes: int | None = None  # None: default_kv_budget (device- or RAM-sized)
     prefill_budget: int = 256  # tokens per tick, decode rows included
     # pages promised to a request beyond its prompt when it is placed (admission grows it
     # page by page after that)
@@ -109,8 +110,32 @@ class BatchVarianceError(RuntimeError):
     """The engine refused to start: its CPU step would not be batch-invariant here."""
 
 
-def default_kv_budget() -> int:
+GPU_MARGIN = 0.10  # of device memory, kept free for activations and the allocator's cache
+GPU_MARGIN_MIN = 4 * 2**30
+
+
+def default_kv_budget(device: str = "cpu", info: dict[str, Any] | None = None,
+                      cached: int = 0, active: int = 0) -> int:
+    """The KV budget when none is given.
+
+    CPU: 30 % of host RAM, at most 16 GiB (the weights and the OS live there too). GPU: the
+    device memory still free with the weights loaded (`info` is mx.device_info(); MLX's own
+    cache of freed buffers counts as free), less a margin for activations and allocator
+    slack: GPU_MARGIN of the device, at least GPU_MARGIN_MIN. Without a free-memory reading
+    the total less what MLX holds stands in for it.
+    """
+    if device == "gpu" and info:
+        total = int(info.get("total_memory") or info.get("memory_size") or 0)
+        free = info.get("free_memory")
+        left = int(free) + cached if free is not None else total - active
+        if total > 0:
+            return max(left - max(int(total * GPU_MARGIN), GPU_MARGIN_MIN), 2**30)
     return int(min(psutil.virtual_memory().total * 0.3, 16 * 2**30))
+
+
+def _device_memory() -> tuple[dict[str, Any], int, int]:
+    """(device info, MLX cache bytes, MLX active bytes): MLX thread only."""
+    return dict(mx.device_info()), mx.get_cache_memory(), mx.get_active_memory()
 
 
 class Engine:
@@ -176,9 +201,13 @@ class Engine:
         for i in range(cfg.max_slots):
             self.slots.append(Slot(i, lm.model.new_kv(), self.batcher))
         bpt = self.slots[0].kv.bytes_per_position
+        budget = cfg.kv_budget_bytes
+        if not budget:
+            info, cached, active = await self.mlx.run(_device_memory)
+            budget = default_kv_budget(lm.device, info, cached, active)
         self.admission = Admission(
             self.slots, KVCache(self.slots[0].kv.pool, self.mlx.post), max_queue=cfg.max_queue,
-            kv_budget=cfg.kv_budget_bytes or default_kv_budget(),
+            kv_budget=budget,
             context_length=lm.config.max_position,
             reserve_tokens=DEFAULT_RESERVE_TOKENS if cfg.kv_reserve_tokens is None
             else cfg.kv_reserve_tokens,

@@ -13,7 +13,7 @@ import pytest
 from engine_harness import PROMPTS, EngineHarness
 
 from slotserve.actors.kv_cache import Chain, KVCache
-from slotserve.engine import Completion
+from slotserve.engine import Completion, default_kv_budget
 from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import KVPool, SlotKV
 
@@ -266,3 +266,15 @@ def test_shared_pages_are_freed_when_their_last_holder_lets_go() -> None:
     assert cache.held == 0
     assert cache.drop_idle() == 4  # two full pages, two tails
     assert pool.free_count == pool.ids
+
+
+def test_the_default_budget_is_sized_by_the_device() -> None:
+    gib = 2**30
+    h200 = {"total_memory": 141 * gib, "free_memory": 130 * gib}
+    # free after the weights, MLX's cached buffers count as free, 10 % of the device kept
+    assert default_kv_budget("gpu", h200, cached=2 * gib) == 132 * gib - int(14.1 * gib)
+    small = {"memory_size": 16 * gib}  # no free-memory reading: total less what MLX holds
+    assert default_kv_budget("gpu", small, active=8 * gib) == 4 * gib
+    assert default_kv_budget("gpu", {"total_memory": 8 * gib, "free_memory": gib}) == gib
+    cpu = default_kv_budget("cpu")
+    assert cpu == default_kv_budget("gpu", {}) and 0 < cpu <= 16 * gib
