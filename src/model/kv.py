@@ -37,10 +37,13 @@ POOL_GROWTH = 0.25  # grow the arrays by at least this fraction when they run ou
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                 initial_pages: int = 0) -> None:
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+                 initial_pages: int = 0, shapes: list[tuple[int, int]] | None = None) -> None:
+        """shapes: each layer's (kv heads, head_dim) where layers differ (see `of_shapes`);
+        else every layer has num_kv_heads heads of head_dim."""
+        self.shapes = list(shapes) if shapes else [(num_kv_heads, head_dim)] * num_layers
+        self.num_layers = len(self.shapes)
+        self.num_kv_heads = num_kv_heads  # the heads a step's tables address by default
+        self.head_dim = head_dim  # the widest head (what the attention backend must take)
         self.dtype = dtype
         self.pages = 0  # pages the arrays hold
         self.refs: list[int] = []  # per page id handed out so far: its holders (0: free)
@@ -50,9 +53,20 @@ class KVPool:
         if initial_pages:
             self._grow(initial_pages)
 
+    @staticmethod
+    def of_shapes(shapes: list[tuple[int, int]], dtype: mx.Dtype) -> KVPool:
+        """A pool whose layers hold K/V of their own (kv heads, head_dim) each (Gemma 4's
+        global layers have fewer, wider heads than its sliding ones). A page id stands for
+        the same positions in every layer; each layer addresses its blocks with its own head
+        count (`SlotKV.rows_for`, `blocks`)."""
+        return KVPool(len(shapes), shapes[0][0], max(d for _, d in shapes), dtype,
+                      shapes=shapes)
+
     @property
     def bytes_per_position(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+        """K and V of one position in every layer that holds K/V (layers that read another
+        layer's K/V are not in the pool, so they cost nothing here)."""
+        return 2 * sum(h * d for h, d in self.shapes) * self.dtype.size
 
     @property
     def page_bytes(self) -> int:
@@ -121,13 +135,15 @@ class KVPool:
             self._grow(max(self.ids - self.pages, int(self.pages * POOL_GROWTH), 1))
 
     def _grow(self, extra: int) -> None:
-        shape = (extra * self.num_kv_heads * BLOCK, self.head_dim)
+        shapes = [(extra * h * BLOCK, d) for h, d in self.shapes]
         if self.pages == 0:
-            self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
-            self.values = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+            self.keys = [mx.zeros(shape, self.dtype) for shape in shapes]
+            self.values = [mx.zeros(shape, self.dtype) for shape in shapes]
         else:
-            self.keys = [mx.concatenate([k, mx.zeros(shape, self.dtype)]) for k in self.keys]
-            self.values = [mx.concatenate([v, mx.zeros(shape, self.dtype)]) for v in self.values]
+            self.keys = [mx.concatenate([k, mx.zeros(shape, self.dtype)])
+                         for k, shape in zip(self.keys, shapes, strict=True)]
+            self.values = [mx.concatenate([v, mx.zeros(shape, self.dtype)])
+                           for v, shape in zip(self.values, shapes, strict=True)]
         mx.eval(self.keys, self.values)
         self.pages += extra
 
@@ -149,10 +165,10 @@ class KVPool:
 
     def key_blocks(self, layer: int) -> mx.array:
         """Layer's keys as [pages * kv_heads, BLOCK, head_dim] (a view, no copy)."""
-        return self.keys[layer].reshape(-1, BLOCK, self.head_dim)
+        return self.keys[layer].reshape(-1, BLOCK, self.shapes[layer][1])
 
     def value_blocks(self, layer: int) -> mx.array:
-        return self.values[layer].reshape(-1, BLOCK, self.head_dim)
+        return self.values[layer].reshape(-1, BLOCK, self.shapes[layer][1])
 
 
 @cache
@@ -209,9 +225,10 @@ class SlotKV:
             self.add_pages(self.pool.take(missing))
         self.pool.ensure_arrays()
 
-    def rows_for(self, start: int, end: int) -> np.ndarray:
-        """[end - start, kv_heads] pool rows receiving positions start..end-1, per kv head."""
-        heads = self.pool.num_kv_heads
+    def rows_for(self, start: int, end: int, heads: int | None = None) -> np.ndarray:
+        """[end - start, kv_heads] pool rows receiving positions start..end-1, per kv head
+        (of a layer with `heads` kv heads; default the pool's)."""
+        heads = heads or self.pool.num_kv_heads
         if end - start == 1:  # a decode row: the same numbers without per-call arrays
             base = (self.pages[start // BLOCK] * heads * BLOCK) + start % BLOCK
             return (base + _head_offsets(heads))[None, :]
@@ -220,18 +237,21 @@ class SlotKV:
         block = page[:, None] * heads + np.arange(heads)[None, :]
         return block * BLOCK + (pos % BLOCK)[:, None]
 
-    def blocks(self, span: int) -> np.ndarray:
-        """[span // BLOCK, kv_heads] block indices of positions 0..span-1 (see key_blocks).
+    def blocks(self, span: int, heads: int | None = None) -> np.ndarray:
+        """[span // BLOCK, kv_heads] block indices of positions 0..span-1 (see key_blocks), of
+        a layer with `heads` kv heads (default the pool's).
 
-        Kept until the pages change: a decode step asks every slot for the same table as
-        the step before. Callers only read it.
+        The default table is kept until the pages change: a decode step asks every slot for
+        the same table as the step before. Callers only read it.
         """
-        if self._blocks is not None and self._blocks[0] == span:
+        default = heads is None or heads == self.pool.num_kv_heads
+        if default and self._blocks is not None and self._blocks[0] == span:
             return self._blocks[1]
-        heads = self.pool.num_kv_heads
+        heads = heads or self.pool.num_kv_heads
         pages = np.asarray(self.pages[: span // BLOCK], dtype=np.int64)
         table = pages[:, None] * heads + np.arange(heads)[None, :]
-        self._blocks = (span, table)
+        if default:
+            self._blocks = (span, table)
         return table
 
     def release(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from slotserve.kernels import cuda
-from slotserve.model.layers import Layer, Linear, Norm, normed, plus
+from slotserve.model.layers import Activation, Layer, Linear, Norm, normed, plus, silu
 from slotserve.model.weights import QuantizedWeight, Tensor
 
 # From this many (row, expert) pairs, issuing them grouped by expert pays on CPU
@@ -63,9 +63,12 @@ class SparseMoE(Layer):
     """
 
     def __init__(self, router: Tensor, gate_up: Tensor, down: Tensor, *, inter: int,
-                 top_k: int, norm_topk: bool, dtype: mx.Dtype, keep_quantized: bool) -> None:
-        """gate_up [E, 2 * inter, H] (gate rows, then up rows), down [E, H, inter]."""
+                 top_k: int, norm_topk: bool, dtype: mx.Dtype, keep_quantized: bool,
+                 act: Activation = silu) -> None:
+        """gate_up [E, 2 * inter, H] (gate rows, then up rows), down [E, H, inter]; each
+        expert computes down(act(gate x) * up x) (act: silu, or Gemma 4's tanh GELU)."""
         self.router = Linear(router, dtype, keep_quantized)
+        self.act = act
         self.top_k, self.norm_topk, self.inter = top_k, norm_topk, inter
         self.gate_up = ExpertProj(gate_up, dtype, keep_quantized)
         self.down = ExpertProj(down, dtype, keep_quantized)
@@ -76,7 +79,7 @@ class SparseMoE(Layer):
         # than 8+), so there padding rows go through the experts too, as through every Linear
         # (routed to row 0's experts, so they read no other expert's weights).
         self.skip_padding = mx.default_device() == mx.cpu
-        self.cuda = cuda.enabled()
+        self.cuda = cuda.enabled() and act is silu
 
     def parts(self) -> list[Layer]:
         return [self.router, self.gate_up, self.down]
@@ -97,7 +100,7 @@ class SparseMoE(Layer):
             h = cuda.swiglu(gu.reshape(-1, 2 * self.inter)).reshape(*gu.shape[:-1], self.inter)
         else:
             g, u = gu[..., : self.inter], gu[..., self.inter :]
-            h = g * mx.sigmoid(g) * u
+            h = self.act(g) * u
         return self.down(h, experts, grouped)
 
     def grouped_swiglu(self, x: mx.array, experts: mx.array) -> mx.array:
@@ -118,6 +121,12 @@ class SparseMoE(Layer):
         """
         x = normed(x, norm)
         experts, weights = self.route(x)
+        return plus(self.mix(x, experts, weights, rows), residual)
+
+    def mix(self, x: mx.array, experts: mx.array, weights: mx.array,
+            rows: int | None = None) -> mx.array:
+        """x [R, H] through its rows' chosen experts [R, k], summed with their weights [R, k]
+        (a family whose router reads another input than the experts routes on its own)."""
         r = x.shape[0]
         real = r if rows is None else rows
         n = real if self.skip_padding else r
@@ -130,7 +139,6 @@ class SparseMoE(Layer):
         else:
             out = self.swiglu(xs[:, None, None, :], experts)[:, :, 0, :]  # [n, k, H]
         y = (out * weights[..., None]).sum(axis=1)
-        y = y if n == r else mx.concatenate([y, mx.zeros((r - n, y.shape[1]), y.dtype)])
-        return plus(y, residual)
+        return y if n == r else mx.concatenate([y, mx.zeros((r - n, y.shape[1]), y.dtype)])
 
 
