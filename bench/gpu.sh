@@ -7,6 +7,8 @@
 #   env    machine, versions, quick kernel checks (quantized matmul by rows, gather_qmm)
 #   synth  random-weight llama3-8b, MLX 4-bit (slotserve synth) under $SYNTH_DIR
 #   bench  bench/gpu_bench.py on it: probe, engine invariance, N sweep, TTFT, runner split
+#   admission  bench/gpu_admission.py on it, default KV budget: 64 requests without
+#          max_tokens run at once; 8 x 32k-token prompts all served (not in the default list)
 #   host   bench/host_cost.py once per MLX CUDA-graph setting: a step's host cost, plain
 #          forward vs compiled (runtime.compiled)
 #   tests  pytest -m gpu tests/test_gpu.py (tiny synthetic dense + MoE on the GPU); on a fresh
@@ -109,6 +111,12 @@ if want bench; then
   timeout "${BENCH_TIMEOUT:-280}" $PY bench/gpu_bench.py --model "$LLAMA" --streams 1,8,32,64,128 \
     --prompt-tokens 128 --new-tokens 64 --ttft-tokens 1024 --prefill-budget 1024 \
     --out "$OUT/bench_llama3-8b.json" ${BENCH_ARGS:-} | grep -v '^ \|^[{}]$'
+fi
+
+if want admission; then
+  stage "gpu_admission llama3-8b: 64 requests without max_tokens, 8 x 32k prompts"
+  timeout "${ADMISSION_TIMEOUT:-420}" $PY bench/gpu_admission.py --model "$LLAMA" \
+    --out "$OUT/admission_llama3-8b.json" ${ADMISSION_ARGS:-}
 fi
 
 if want host; then
