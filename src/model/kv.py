@@ -139,11 +139,13 @@ class KVPool:
         if self.pages == 0:
             self.keys = [mx.zeros(shape, self.dtype) for shape in shapes]
             self.values = [mx.zeros(shape, self.dtype) for shape in shapes]
-        else:
-            self.keys = [mx.concatenate([k, mx.zeros(shape, self.dtype)])
-                         for k, shape in zip(self.keys, shapes, strict=True)]
-            self.values = [mx.concatenate([v, mx.zeros(shape, self.dtype)])
-                           for v, shape in zip(self.values, shapes, strict=True)]
+        else:  # one array at a time, its old buffer released before the next grows: the
+            # pool never needs twice its size (a device-sized budget would not fit twice)
+            for arrays in (self.keys, self.values):
+                for i, shape in enumerate(shapes):
+                    arrays[i] = mx.concatenate([arrays[i], mx.zeros(shape, self.dtype)])
+                    mx.eval(arrays[i])
+                    mx.clear_cache()
         mx.eval(self.keys, self.values)
         self.pages += extra
 
