@@ -577,17 +577,73 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return mx.where(is_mid, mid, out)
 
 
+LONGROPE = ("longrope", "su")
+
+
+@dataclass
+class LongRope:
+    """LongRoPE (Phi-3's "su"/"longrope" scaling) as HF computes it: inverse frequencies
+    over the first `partial_rotary_factor` of the head (exponents over that width, the
+    rest of the head not rotated: zero frequencies), divided by the short factors, or by
+    the long ones from `original_max_position_embeddings` on, and the rotated cos/sin
+    scaled by the attention factor.
+
+    HF's forward picks short or long for a whole forward by its longest position (and its
+    `generate` recomputes the whole sequence with the long factors once it grows past the
+    original context); this position-keyed table picks per position: the same as HF for
+    every sequence within the original context and for HF's forward stepped on its cache
+    past it, while keys written before the switch keep the short factors. It keeps each
+    position's bits independent of the batch and of prefix reuse.
+    """
+
+    short: mx.array  # [head_dim // 2] inverse frequencies before `switch`
+    long: mx.array | None  # from `switch` on (None: no long factors)
+    switch: int
+    mscale: mx.array  # [head_dim] cos/sin scale (attention factor on the rotated dims)
+
+    @staticmethod
+    def build(head_dim: int, theta: float, scaling: dict[str, Any]) -> LongRope:
+        dim = int(head_dim * float(scaling.get("partial_rotary_factor", 1.0)))
+        base = theta ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim)
+        pad = mx.zeros((head_dim // 2 - dim // 2,), mx.float32)
+
+        def inv(factors: list[float] | None) -> mx.array:
+            ext = mx.ones((dim // 2,)) if factors is None else mx.array(factors, mx.float32)
+            return mx.concatenate([1.0 / (ext * base), pad])
+
+        orig = int(scaling.get("original_max_position_embeddings") or 0)
+        factor = float(scaling.get("factor") or 1.0)
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        half = mx.where(mx.arange(head_dim // 2) < dim // 2, float(attn), 1.0)
+        long = scaling.get("long_factor")
+        return LongRope(inv(scaling.get("short_factor")), None if long is None else inv(long),
+                        orig, mx.concatenate([half, half]).astype(mx.float32))
+
+    def angles(self, positions: mx.array) -> mx.array:
+        """[P, head_dim // 2] rotation angles of positions [P, 1]."""
+        ang = positions * self.short[None, :]
+        if self.long is None:
+            return ang
+        return mx.where(positions < self.switch, ang, positions * self.long[None, :])
+
+
 class Rope(Layer):
     """Rotate-half RoPE from a cos/sin table gathered by each row's absolute position.
 
     A table lookup (instead of a kernel with a scalar offset) lets every row of a
     mixed batch carry its own position, and gives each position the same bits
-    whatever batch it is computed in.
+    whatever batch it is computed in. LongRoPE (`LongRope`) is such a table too.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: mx.Dtype) -> None:
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        self.long_rope = LongRope.build(head_dim, theta, scaling) if kind in LONGROPE \
+            and scaling else None
+        self.inv_freq = (self.long_rope.short if self.long_rope is not None
+                         else rope_inv_freq(head_dim, theta, scaling))
         self.dtype = dtype
         self.size = 0
         self.cos = self.sin = mx.zeros((0,))
@@ -595,9 +651,14 @@ class Rope(Layer):
 
     def _grow(self, n: int) -> None:
         size = max(4096, 1 << (n - 1).bit_length())
-        ang = mx.arange(size, dtype=mx.float32)[:, None] * self.inv_freq[None, :]
+        positions = mx.arange(size, dtype=mx.float32)[:, None]
+        lr = self.long_rope
+        ang = positions * self.inv_freq[None, :] if lr is None else lr.angles(positions)
         emb = mx.concatenate([ang, ang], axis=-1)
-        self.cos, self.sin = mx.cos(emb).astype(self.dtype), mx.sin(emb).astype(self.dtype)
+        cos, sin = mx.cos(emb), mx.sin(emb)
+        if lr is not None:
+            cos, sin = cos * lr.mscale, sin * lr.mscale
+        self.cos, self.sin = cos.astype(self.dtype), sin.astype(self.dtype)
         mx.eval(self.cos, self.sin)
         self.size = size
 

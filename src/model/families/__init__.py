@@ -6,12 +6,21 @@ from __future__ import annotations
 from typing import Any
 
 from slotserve.model.errors import UnsupportedModelError
-from slotserve.model.families import gemma3, gemma4, llama, qwen2, qwen3, qwen3_5, qwen3_moe
+from slotserve.model.families import (
+    gemma3,
+    gemma4,
+    llama,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+)
 from slotserve.model.family import Family
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
-                       gemma3.FAMILY, gemma4.FAMILY, qwen3_5.FAMILY)
+                       gemma3.FAMILY, gemma4.FAMILY, qwen3_5.FAMILY, phi3.FAMILY)
 }
 
 
