@@ -95,9 +95,10 @@ def expert_weights(w: dict[str, Tensor], p: str) -> tuple[Tensor, Tensor]:
 
 
 def stack_experts(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
-    """Turn HF per-expert tensors into one [E, out, in] tensor per layer and projection."""
-    assert isinstance(cfg, Config)
-    if not cfg.num_experts:
+    """Turn HF per-expert tensors into one [E, out, in] tensor per layer and projection
+    (of any config with `num_experts`: Qwen3.5-MoE's experts are stored alike)."""
+    experts = getattr(cfg, "num_experts", 0)
+    if not experts:
         return
     for i in range(cfg.num_layers):
         for proj in PROJECTIONS:
@@ -105,7 +106,7 @@ def stack_experts(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
             if stacked in weights:
                 continue
             keys = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
-                    for e in range(cfg.num_experts)]
+                    for e in range(experts)]
             if all(k in weights for k in keys):
                 parts = [weights.pop(k) for k in keys]
                 if any(isinstance(p, QuantizedWeight) for p in parts):
