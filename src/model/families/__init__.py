@@ -14,13 +14,16 @@ from slotserve.model.families import (
     qwen2,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )
 from slotserve.model.family import Family
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
-                       gemma3.FAMILY, gemma4.FAMILY, qwen3_5.FAMILY, phi3.FAMILY)
+                       gemma3.FAMILY, gemma4.FAMILY, qwen3_5.FAMILY, phi3.FAMILY,
+                       qwen3_5_moe.FAMILY, qwen3_next.FAMILY)
 }
 
 
