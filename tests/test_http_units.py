@@ -6,15 +6,13 @@ import asyncio
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from slotserve.api.app import create_app
 from slotserve.api.errors import APIError
 from slotserve.api.schemas import check_response_format, parse_body, parse_chat, parse_completion
 from slotserve.api.server import startup_banner
 from slotserve.api.sse import with_keepalive
-from slotserve.api.tools import ToolCallParser, ToolChoice, parse_tool_calls, with_system_text
+from slotserve.api.tools import ToolChoice, with_system_text
 from slotserve.engine import EngineConfig
 
 USER = [{"role": "user", "content": "hi"}]
@@ -137,65 +135,7 @@ def test_parse_completion_rejects(body: dict, param: str) -> None:
     assert api_error(parse_completion, body).param == param
 
 
-# ---- tool calls ----------------------------------------------------------------------------
-
-AUTO, REQUIRED = ToolChoice("auto"), ToolChoice("required")
-NAMED = ToolChoice("function", "get_weather")
-
-
-def test_hermes_calls() -> None:
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-            '\n</tool_call>\n<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
-    content, calls = parse_tool_calls(text, AUTO)
-    assert content.strip() == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Oslo"}), ("f", {"a": 1})]
-    assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
-
-
-def test_unclosed_and_broken_calls() -> None:
-    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}', AUTO)
-    assert content == "" and calls[0].name == "f"
-    content, calls = parse_tool_calls("<tool_call>not json</tool_call> ok", AUTO)
-    assert calls == [] and content == "<tool_call>not json</tool_call> ok"
-    assert parse_tool_calls("a < b <tool", AUTO) == ("a < b <tool", [])
-    for args in ('{"x": NaN}', '{"x": 1e400}', '"{\\"x\\": -Infinity}"'):  # no strict JSON
-        text = f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>'
-        assert parse_tool_calls(text, AUTO) == (text, []), args
-
-
-def test_bare_json_only_when_forced() -> None:
-    text = '```json\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n```'
-    assert parse_tool_calls(text, AUTO)[1] == []
-    content, calls = parse_tool_calls(text, REQUIRED)
-    assert content == "" and calls[0].name == "get_weather"
-    content, calls = parse_tool_calls(' {"city": "Rome"}', NAMED)  # just the arguments
-    assert calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
-    assert parse_tool_calls("It is sunny.", REQUIRED) == ("It is sunny.", [])
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.sampled_from([
-    'Sure. <tool_call>{"name": "a", "arguments": {"x": [1, 2]}}</tool_call> done',
-    '{"name": "get_weather", "arguments": {"city": "Rome"}}',
-    "plain text with a < sign and <tool partial",
-    "<tool_call>{bad}</tool_call><tool_call>{\"name\": \"b\"}",
-]), st.sampled_from([AUTO, REQUIRED, NAMED]), st.lists(st.integers(0, 80), max_size=8))
-def test_streaming_parser_matches_whole_text(text: str, choice: ToolChoice,
-                                             cuts: list[int]) -> None:
-    """However the text is chunked, streaming yields what parsing it whole yields."""
-    whole, whole_calls = parse_tool_calls(text, choice)
-    parser = ToolCallParser(choice)
-    out, calls = [], []
-    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        t, c = parser.feed(text[a:b])
-        out.append(t)
-        calls += c
-    t, c = parser.finish()
-    assert "".join(out) + t == whole
-    assert [(x.name, x.arguments) for x in calls + c] == \
-        [(x.name, x.arguments) for x in whole_calls]
+# ---- tool calls (the parsers: tests/test_tool_formats.py) -------------------------------
 
 
 def test_with_system_text() -> None:

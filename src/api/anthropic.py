@@ -24,7 +24,8 @@ from slotserve.api.generation import ChatRun, engine_failure, start_chat, stream
 from slotserve.api.schemas import AnthropicMessage, MessagesBody, joined, validated
 from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
-from slotserve.api.tools import CLOSE, OPEN, ToolCall, ToolChoice
+from slotserve.api.tool_formats import ArgumentsPiece, CallClosed, CallEvent, CallOpened, TextPiece
+from slotserve.api.tools import ToolChoice
 
 PATH = "/v1/messages"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -85,12 +86,12 @@ def parse_messages(body: dict[str, Any]) -> MessagesRequest:
                            options=b.options())
 
 
-def chat_messages(req: MessagesRequest, inline_calls: bool) -> tuple[list[dict[str, Any]], str]:
+def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], str]:
     """Anthropic messages -> chat-template messages, and the assistant prefill (the text of a
     final assistant message, which the reply continues).
 
-    tool_result blocks become `tool` messages; tool_use blocks become `tool_calls`, or, for a
-    template that does not render those (`inline_calls`), the Hermes text the model writes.
+    tool_result blocks become `tool` messages; tool_use blocks become `tool_calls` (written
+    into the text for a template that does not render those: `generation.chat_prompt`).
     """
     out: list[dict[str, Any]] = []
     if req.system:
@@ -115,11 +116,6 @@ def chat_messages(req: MessagesRequest, inline_calls: bool) -> tuple[list[dict[s
         if m.role == "assistant" and i == last and not calls:
             prefill = text
             continue
-        if calls and inline_calls:
-            text += "".join(
-                f'{OPEN}{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
-                f'{c["function"]["arguments"]}}}{CLOSE}' for c in calls)
-            calls = []
         if texts or calls or m.role == "assistant":
             msg: dict[str, Any] = {"role": m.role, "content": text}
             if calls:
@@ -135,8 +131,8 @@ def _message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-def _tool_use_id(call: ToolCall) -> str:
-    return "toolu_" + call.id.removeprefix("call_")
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 class Blocks:
@@ -164,16 +160,19 @@ class Blocks:
         yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
                                       "delta": {"type": "text_delta", "text": text}}
 
-    def call(self, call: ToolCall) -> Iterator[tuple[str, dict[str, Any]]]:
+    def open_call(self, call: CallOpened) -> Iterator[tuple[str, dict[str, Any]]]:
+        """A tool_use block; its input follows as the model writes it (`arguments`)."""
         yield from self.close()
         self.pending = ""
         self.calls += 1
-        yield from self._start({"type": "tool_use", "id": _tool_use_id(call), "name": call.name,
-                                "input": {}})
-        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                      "delta": {"type": "input_json_delta",
-                                                "partial_json": call.arguments}}
-        yield from self.close()
+        yield from self._start({"type": "tool_use", "id": _tool_use_id(call.id),
+                                "name": call.name, "input": {}})
+
+    def arguments(self, piece: ArgumentsPiece) -> Iterator[tuple[str, dict[str, Any]]]:
+        if piece.text:
+            yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                          "delta": {"type": "input_json_delta",
+                                                    "partial_json": piece.text}}
 
     def finish(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """End: close the open block; a reply with no block at all gets one text block."""
@@ -205,18 +204,22 @@ class Answer:
         self.blocks = Blocks()
 
     def feed(self, text: str) -> list[tuple[str, dict[str, Any]]]:
-        parser = self.run.parser
-        text, calls = parser.feed(text) if parser is not None else (text, [])
-        return self._emit(text, calls)
+        return self._emit(self.run.events(text))
 
     def finish(self) -> list[tuple[str, dict[str, Any]]]:
-        out = self._emit(*self.run.parser.finish()) if self.run.parser is not None else []
-        return out + list(self.blocks.finish())
+        return self._emit(self.run.finish()) + list(self.blocks.finish())
 
-    def _emit(self, text: str, calls: list[ToolCall]) -> list[tuple[str, dict[str, Any]]]:
-        out = list(self.blocks.text(text))
-        for call in calls:
-            out += self.blocks.call(call)
+    def _emit(self, events: list[CallEvent]) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        for e in events:
+            if isinstance(e, TextPiece):
+                out += self.blocks.text(e.text)
+            elif isinstance(e, CallOpened):
+                out += self.blocks.open_call(e)
+            elif isinstance(e, ArgumentsPiece):
+                out += self.blocks.arguments(e)
+            elif isinstance(e, CallClosed):
+                out += self.blocks.close()
         return out
 
     def stop(self, final: Delta) -> tuple[str, str | None]:
@@ -237,9 +240,7 @@ def _usage(run: ChatRun, final: Delta | None) -> dict[str, int]:
 
 
 async def messages(state: AppState, req: MessagesRequest) -> Response:
-    engine = state.ready_engine()
-    assert engine.template is not None
-    msgs, prefill = chat_messages(req, inline_calls="tool_calls" not in engine.template.source)
+    msgs, prefill = chat_messages(req)
     run = await start_chat(state, msgs, req.tools, req.tool_choice, req.options, prefill)
     ids = (_message_id(), state.model_id)
     if req.stream:

@@ -20,11 +20,17 @@ import structlog
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from slotserve.api import anthropic, generation
+from slotserve.api import anthropic, generation, responses_api
 from slotserve.api.disconnect import ClientWatch
 from slotserve.api.errors import HTTP_ERRORS, APIError, error_body, json_response
 from slotserve.api.keys import APIKeys, as_api_keys
-from slotserve.api.schemas import openapi_document, parse_body, parse_chat, parse_completion
+from slotserve.api.schemas import (
+    openapi_document,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    parse_responses,
+)
 from slotserve.api.state import AppState, Settings
 from slotserve.engine import EngineConfig
 
@@ -52,15 +58,18 @@ async def drain_refused_body() -> None:
 def create_app(engine_config: EngineConfig | None = None,
                api_key: str | Iterable[str] | APIKeys | None = None, *,
                keepalive_interval: float = 15.0, max_body_bytes: int = 8 * 2**20,
-               model_id: str | None = None, queue_timeout: float | None = 600.0) -> Quart:
+               model_id: str | None = None, queue_timeout: float | None = 600.0,
+               strict_model_names: bool = False) -> Quart:
     """Build the app; nothing loads until it is served (see `app_state(app)` for the engine).
 
     `api_key`: the accepted key, several (any of them is accepted), or None for no auth.
     `queue_timeout`: seconds a request may wait for a slot before it is answered 429 (None:
-    no bound).
+    no bound). `strict_model_names`: a model name other than the served id is a 404 (by
+    default any name is the one served model).
     """
     settings = Settings(api_keys=as_api_keys(api_key), keepalive_interval=keepalive_interval,
-                        max_body_bytes=max_body_bytes, queue_timeout=queue_timeout)
+                        max_body_bytes=max_body_bytes, queue_timeout=queue_timeout,
+                        strict_model_names=strict_model_names)
     state = AppState(engine_config or EngineConfig(), settings, model_id)
     app = Quart("slotserve")
     app.config.update(MAX_CONTENT_LENGTH=max_body_bytes, RESPONSE_TIMEOUT=None,
@@ -167,6 +176,12 @@ def create_app(engine_config: EngineConfig | None = None,
         req = anthropic.parse_messages(await body())
         check_model(req.model)
         return await anthropic.messages(state, req)
+
+    @app.post(responses_api.PATH)
+    async def responses() -> Response:
+        req = parse_responses(await body())
+        check_model(req.model)
+        return await responses_api.create(state, req)
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

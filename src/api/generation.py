@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -31,10 +32,10 @@ from slotserve.actors.admission import (
 )
 from slotserve.actors.messages import Delta, TokenLogprob
 from slotserve.actors.session import Session
+from slotserve.api.completion_bodies import LogprobFormatter, ResponseIds
 from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
 from slotserve.api.limits import chat_texts, refuse_unfit
-from slotserve.api.responses import LogprobFormatter, ResponseIds
 from slotserve.api.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -43,15 +44,20 @@ from slotserve.api.schemas import (
 )
 from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
 from slotserve.api.state import AppState
-from slotserve.api.tools import (
-    ToolCall,
-    ToolCallParser,
-    ToolChoice,
-    tool_instructions,
-    with_system_text,
+from slotserve.api.tool_formats import (
+    ArgumentsPiece,
+    CallEvent,
+    CallOpened,
+    CallParser,
+    CallSyntax,
+    TextPiece,
+    call_grammar,
+    no_call_grammar,
+    split_calls,
 )
+from slotserve.api.tools import ToolChoice, tool_listing, with_system_text
 from slotserve.engine import Engine, EngineClosedError
-from slotserve.runtime.grammar import Grammar, compile_response_format
+from slotserve.runtime.grammar import Grammar, compile_lark, compile_response_format
 
 # ---- admission -----------------------------------------------------------------------------
 
@@ -259,14 +265,91 @@ class ChatRun:
     engine: Engine
     session: Session
     stream: AsyncGenerator[Delta, None]
-    parser: ToolCallParser | None
-    prompt_tokens: int
+    parser: CallParser | None
+    prompt_ids: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def events(self, text: str) -> list[CallEvent]:
+        """Generated text -> text and tool-call events (all text when no tools are on)."""
+        if self.parser is None:
+            return [TextPiece(text)] if text else []
+        return self.parser.feed(text)
+
+    def finish(self) -> list[CallEvent]:
+        return self.parser.finish() if self.parser is not None else []
+
+
+def inline_past_calls(messages: list[dict[str, Any]],
+                      syntax: CallSyntax) -> list[dict[str, Any]]:
+    """For a template that does not render `tool_calls`: past calls written into the
+    assistant's text in the model's own syntax, as it would have written them."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append(m)
+            continue
+        pairs = []
+        for c in calls:
+            args = c["function"].get("arguments", "{}")
+            pairs.append((c["function"]["name"],
+                          args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        m = {k: v for k, v in m.items() if k != "tool_calls"}
+        m["content"] = (m.get("content") or "") + syntax.render(pairs)
+        out.append(m)
+    return out
+
+
+def chat_prompt(state: AppState, engine: Engine, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None, prefill: str = "") -> list[int]:
+    """The prompt ids of a chat. It depends on the messages and tools only, never on the tool
+    choice (see `slotserve.api.tools`)."""
+    syntax = state.call_syntax
+    if not state.template_renders_calls:
+        messages = inline_past_calls(messages, syntax)
+    if tools and not state.template_lists_tools:
+        messages = with_system_text(messages, tool_listing(tools, syntax.example()))
+    return engine.render_chat(messages, tools, prefill=prefill)
+
+
+async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, Any]] | None,
+                       choice: ToolChoice, parallel: bool) -> Grammar | None:
+    """The grammar that makes the tool choice hold: a forced choice allows only calls (of
+    the named tool), "none" forbids the call syntax; "auto" (or no tools) is free (None)."""
+    if not tools or choice.mode == "auto":
+        return None
+    syntax = state.call_syntax
+    if choice.forced:
+        lark = call_grammar(syntax, tools, choice, parallel, state.special_ids)
+    else:
+        lark = no_call_grammar(syntax)
+        if lark is None:
+            return None
+    cached = state.grammars.get(lark)
+    if cached is not None:
+        state.grammars.move_to_end(lark)
+        return cached
+    try:
+        grammar = await asyncio.to_thread(compile_lark, lark, engine.tokenizer, "tool schema")
+    except ValueError as exc:
+        raise bad_request(str(exc), "tools", "invalid_tool_schema") from None
+    state.grammars[lark] = grammar
+    while len(state.grammars) > GRAMMAR_CACHE:
+        state.grammars.popitem(last=False)
+    return grammar
+
+
+GRAMMAR_CACHE = 64  # compiled tool grammars kept (agents send the same tools every turn)
 
 
 async def start_chat(state: AppState, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None, choice: ToolChoice,
-                     options: dict[str, Any], prefill: str = "") -> ChatRun:
-    """Render (tool instructions included), compile any grammar, and submit a chat request.
+                     options: dict[str, Any], prefill: str = "",
+                     parallel_calls: bool = True) -> ChatRun:
+    """Render (tools listed whatever the choice), compile any grammar, and submit a chat.
 
     `prefill`: text the assistant's reply starts with (already written; not generated).
     """
@@ -274,37 +357,41 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     refuse_if_queue_full(state, engine)
     source = engine.template.source if engine.template is not None else None
     await refuse_unfit(state, engine, chat_texts(messages, prefill, source), "messages")
-    tools = tools if choice.mode != "none" else None
-    if tools and choice.mode == "function":
-        tools = [t for t in tools if t["function"]["name"] == choice.name]
-    if tools:
-        note = tool_instructions(tools, choice, state.template_lists_tools)
-        if note:
-            messages = with_system_text(messages, note)
-
     try:  # user text is text: only the template writes control tokens
-        ids = await asyncio.to_thread(engine.render_chat, messages, tools, prefill=prefill)
+        ids = await asyncio.to_thread(chat_prompt, state, engine, messages, tools, prefill)
     except ValueError as exc:  # TemplateError: the template rejected these messages
         raise bad_request(str(exc), "messages") from None
-    options = await compile_grammar(engine, options)
+    grammar = await tool_grammar(state, engine, tools, choice, parallel_calls)
+    if grammar is not None:
+        options = {**options, "response_format": grammar}
+    options = await compile_grammar(engine, clamp_max_tokens(engine, ids, options))
     session = submit(state, engine, ids, options, "messages")
     stream = open_stream(state, engine, session)
-    return ChatRun(engine, session, stream, ToolCallParser(choice) if tools else None, len(ids))
+    parser = CallParser(state.call_syntax) if tools and choice.mode != "none" else None
+    return ChatRun(engine, session, stream, parser, ids)
+
+
+def clamp_max_tokens(engine: Engine, ids: list[int], options: dict[str, Any]) -> dict[str, Any]:
+    """`max_tokens` past what the context has room for is cut to fit: agents ask for their
+    own model's output limit (Claude Code 32,000 or 64,000); the reply then ends with
+    `length` where the context ends, as it would have anyway."""
+    room = engine.context_length - len(ids)
+    asked = options.get("max_tokens")
+    if asked is not None and room >= 1 and asked > room:
+        return {**options, "max_tokens": room}
+    return options
 
 
 async def chat(state: AppState, req: ChatRequest) -> Response:
-    run = await start_chat(state, req.messages, req.tools, req.tool_choice, req.options)
-    engine, stream, parser = run.engine, run.stream, run.parser
+    run = await start_chat(state, req.messages, req.tools, req.tool_choice, req.options,
+                           parallel_calls=req.parallel_tool_calls)
+    engine, stream = run.engine, run.stream
     fmt = LogprobFormatter(engine.tokenizer)
     rid = ResponseIds(state.model_id)
     if req.stream:
-        return stream_response(_chat_events(state, req, stream, fmt, rid, parser))
+        return stream_response(_chat_events(state, req, run, fmt, rid))
     text, lps, final = await _collect(stream)
-    calls: list[ToolCall] = []
-    if parser is not None:
-        a, calls = parser.feed(text)
-        b, more = parser.finish()
-        text, calls = a + b, calls + more
+    text, calls = split_calls(run.events(text) + run.finish())
     message: dict[str, Any] = {"role": "assistant", "content": text}
     reason = final.finish_reason
     if calls:
@@ -332,9 +419,8 @@ async def _collect(stream: AsyncGenerator[Delta, None]) -> tuple[str, list[Token
     return "".join(parts), lps, final
 
 
-async def _chat_events(state: AppState, req: ChatRequest, stream: AsyncGenerator[Delta, None],
-                       fmt: LogprobFormatter, ids: ResponseIds,
-                       parser: ToolCallParser | None) -> AsyncIterator[bytes]:
+async def _chat_events(state: AppState, req: ChatRequest, run: ChatRun,
+                       fmt: LogprobFormatter, ids: ResponseIds) -> AsyncIterator[bytes]:
     pending: list[TokenLogprob] = []  # logprobs ride on the next chunk that carries text
     n_calls = 0
 
@@ -345,36 +431,39 @@ async def _chat_events(state: AppState, req: ChatRequest, stream: AsyncGenerator
         pending.clear()
         return out
 
-    def emit(text: str, calls: list[ToolCall]) -> list[bytes]:
+    def emit(events: list[CallEvent]) -> list[bytes]:
+        """Text as content chunks; a call's name, then its arguments as they were written."""
         nonlocal n_calls
-        out = [event(ids.chat_chunk({"content": text}, logprobs=lps()))] if text else []
-        for call in calls:
-            head = {"index": n_calls, "id": call.id, "type": "function",
-                    "function": {"name": call.name, "arguments": ""}}
-            args = {"index": n_calls, "function": {"arguments": call.arguments}}
-            out += [event(ids.chat_chunk({"tool_calls": [head]})),
-                    event(ids.chat_chunk({"tool_calls": [args]}))]
-            n_calls += 1
+        out = []
+        for e in events:
+            if isinstance(e, TextPiece) and e.text:
+                out.append(event(ids.chat_chunk({"content": e.text}, logprobs=lps())))
+            elif isinstance(e, CallOpened):
+                n_calls += 1
+                out.append(event(ids.chat_chunk({"tool_calls": [{
+                    "index": e.index, "id": e.id, "type": "function",
+                    "function": {"name": e.name, "arguments": ""}}]})))
+            elif isinstance(e, ArgumentsPiece) and e.text:
+                out.append(event(ids.chat_chunk({"tool_calls": [{
+                    "index": e.index, "function": {"arguments": e.text}}]})))
         return out
 
     yield event(ids.chat_chunk({"role": "assistant", "content": ""}))
     end: dict[str, Delta] = {}
-    async with contextlib.aclosing(_until_final(state, stream, pending, end)) as deltas:
+    async with contextlib.aclosing(_until_final(state, run.stream, pending, end)) as deltas:
         async for d in deltas:
             if d is None:
                 yield KEEPALIVE
                 continue
-            text, calls = parser.feed(d.text) if parser else (d.text, [])
-            for chunk in emit(text, calls):
+            for chunk in emit(run.events(d.text)):
                 yield chunk
     final = end.get("final")
     if final is None or final.finish_reason not in ("stop", "length"):
         yield _error_event(final)
         yield DONE
         return
-    if parser is not None:
-        for chunk in emit(*parser.finish()):
-            yield chunk
+    for chunk in emit(run.finish()):
+        yield chunk
     reason = "tool_calls" if n_calls else final.finish_reason
     yield event(ids.chat_chunk({}, finish_reason=reason, logprobs=lps()))
     if req.include_usage:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, NotRequired, TypeVar
 
 import numpy as np
+import structlog
 from annotated_types import Ge, Le, MaxLen, MinLen
 from pydantic import (
     AfterValidator,
@@ -60,6 +61,8 @@ from slotserve.api.errors import APIError, bad_request
 from slotserve.api.limits import MAX_MESSAGES
 from slotserve.api.tools import ToolChoice
 from slotserve.runtime.sampling import KNOB_RANGES, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, KnobRange
+
+log = structlog.get_logger("slotserve.api")
 
 MAX_STOP = 16
 MAX_CACHE_SALT = 1024  # characters
@@ -113,6 +116,10 @@ _MESSAGES: dict[str, str] = {
     "not_supported": "{name} is not supported",
     "best_of_unsupported": "{name} > 1 is not supported",
     "batched_prompt": "batched prompts are not supported: send one prompt per request",
+    "item_object": "{name} must be an object (an input item)",
+    "item_string": "{name} must be a string",
+    "item_role": "{name} must be 'user', 'assistant', 'system' or 'developer'",
+    "item_parts": "{name} must be a string or an array of text parts",
 }
 _CODES = {"too_long": "array_above_max_length", "n_unsupported": "unsupported",
           "not_supported": "unsupported", "best_of_unsupported": "unsupported",
@@ -499,6 +506,26 @@ class Tool(TypedDict):
     function: FunctionDef
 
 
+def _known_tools(kinds: tuple[str, ...]) -> BeforeValidator:
+    """Drop tools of types this server does not run (web_search, namespace, computer use, a
+    hosted MCP server...) with a log line: agents send them whatever the server; the model
+    is told only of the tools it can call. A tool with no type is of the first kind."""
+    def keep(value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        kept = []
+        for tool in value:
+            kind = tool.get("type", kinds[0]) if isinstance(tool, dict) else kinds[0]
+            if kind in kinds:
+                kept.append(tool)
+            else:
+                log.info("tool ignored", type=short_repr(kind),
+                         why=f"only {', '.join(kinds)} tools are served")
+        return kept
+
+    return BeforeValidator(keep)
+
+
 def _openai_tool(tool: Tool) -> dict[str, Any]:
     """The tool as the tool code takes it (unset description and parameters left out)."""
     fn = tool["function"]
@@ -584,8 +611,9 @@ class ChatCompletionBody(_OpenAIBody):
     max_completion_tokens: PositiveInt | None = None  # wins over max_tokens
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], _known_tools(("function",))] | None = None
     tool_choice: OpenAIToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -622,7 +650,8 @@ class ChatCompletionBody(_OpenAIBody):
         return ChatRequest(
             messages=[m.template_message() for m in self.messages], model=self.model,
             stream=bool(self.stream), include_usage=self.include_usage, tools=tools,
-            tool_choice=tool_choice, logprobs=logprobs, top_logprobs=top, options=options)
+            tool_choice=tool_choice, logprobs=logprobs, top_logprobs=top, options=options,
+            parallel_tool_calls=self.parallel_tool_calls is not False)
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -696,6 +725,7 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # Engine.make_request keywords
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -858,7 +888,7 @@ class MessagesBody(Wire):
     top_p: TopP | None = None
     top_k: _integer(Ge(0)) | None = None
     stop_sequences: Annotated[list[str], MaxLen(MAX_STOP)] | None = None
-    tools: list[AnthropicTool] | None = None
+    tools: Annotated[list[AnthropicTool], _known_tools(("custom",))] | None = None
     tool_choice: AnthropicToolChoice | None = None
     cache_salt: CacheSalt | None = None
 
@@ -902,12 +932,244 @@ class MessagesBody(Wire):
         return opts
 
 
+# ---- the Responses API ---------------------------------------------------------------------
+
+
+@with_config(_ELEMENT)
+class ResponsesFunctionTool(TypedDict):
+    type: Literal["function"]
+    name: Annotated[str, MinLen(1)]
+    description: NotRequired[str | None]
+    parameters: NotRequired[dict[str, Any] | None]
+    strict: NotRequired[bool | None]
+
+
+class NamedResponsesChoice(Wire):
+    type: Literal["function"]
+    name: str
+
+
+ResponsesToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedResponsesChoice,
+    _one_of("'none', 'auto', 'required' or {'type': 'function', 'name': ...}")]
+
+
+class ResponsesTextFormat(Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def option(self) -> dict[str, Any] | None:
+        """The engine's `response_format` option (None: plain text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.schema_ is None:
+            raise _fail("required_for", "schema", when="'type' is 'json_schema'")
+        return {"type": "json_schema", "json_schema": {
+            "name": self.name, "schema": self.schema_, "strict": self.strict}}
+
+
+class ResponsesText(Wire):
+    format: ResponsesTextFormat | None = None
+
+
+_INPUT_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+def _item_text(content: Any, where: tuple[str | int, ...]) -> str:
+    """A message's or output's content (a string, or text parts) as text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _fail("item_parts", *where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _INPUT_TEXT_PARTS:
+            raise _fail("part_type", *where, j, part=short_repr(kind))
+        text = part.get("text", part.get("refusal"))
+        if not isinstance(text, str):
+            raise _fail("item_string", *where, j, "text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _item_str(item: dict[str, Any], key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise _fail("missing" if value is None else "item_string", i, key)
+    return value
+
+
+def response_items(items: str | list[Any]) -> list[dict[str, Any]]:
+    """Responses `input` -> chat-template messages: messages (developer is system), function
+    calls (on the assistant message they follow) and their outputs (tool messages); reasoning
+    items carry nothing the prompt shows, and item types that hold no text for this model
+    (web search results, images) are left out with a log line."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _fail("item_object", i)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _fail("item_role", i, "role")
+            text = _item_text(item.get("content"), (i, "content"))
+            out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call = {"id": _item_str(item, "call_id", i), "type": "function", "function": {
+                "name": _item_str(item, "name", i),
+                "arguments": item.get("arguments") if isinstance(item.get("arguments"), str)
+                else "{}"}}
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": _item_str(item, "call_id", i),
+                        "content": _item_text(item.get("output", ""), (i, "output"))})
+        elif kind == "reasoning":
+            continue
+        else:
+            log.info("input item ignored", type=short_repr(kind),
+                     why="only message, function_call, function_call_output and reasoning "
+                         "items are read")
+    return out
+
+
+def _items(value: Any) -> Any:
+    if isinstance(value, str):
+        if not value:
+            raise _fail("empty")
+        return value
+    if not isinstance(value, list):
+        raise _fail("text_or_list")
+    return response_items(value)
+
+
+ResponseInput = Annotated[Any, PlainValidator(_items, json_schema_input_type=str | list[
+    dict[str, Any]])]
+
+
+class ResponsesBody(Wire):
+    """POST /v1/responses (OpenAI's Responses API)."""
+
+    model: str | None = None
+    input: ResponseInput
+    instructions: str | None = None
+    tools: Annotated[list[ResponsesFunctionTool], _known_tools(("function",))] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    text: ResponsesText | None = None
+    # read and answered back as given; no local model here reasons in a hidden channel
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None  # prefix reuse is automatic here
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    cache_salt: CacheSalt | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:
+            return choice
+        names = {t["name"] for t in info.data["tools"] or []}
+        if choice == "required" and not names:
+            raise _fail("no_tools", choice="'required'")
+        if isinstance(choice, NamedResponsesChoice) and choice.name not in names:
+            raise _fail("unknown_tool", tool=short_repr(choice.name))
+        return choice
+
+    def request(self) -> ResponsesRequest:
+        tools = [{"type": "function", "function": {
+            k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}}
+            for t in self.tools or []] or None
+        choice = self.tool_choice
+        if isinstance(choice, NamedResponsesChoice):
+            tool_choice = ToolChoice("function", choice.name)
+        elif choice is None:
+            tool_choice = ToolChoice("auto" if tools else "none")
+        else:
+            tool_choice = ToolChoice(choice if tools else "none")
+        opts: dict[str, Any] = {}
+        if self.max_output_tokens is not None:
+            opts["max_tokens"] = self.max_output_tokens
+        for key in ("temperature", "top_p", "cache_salt"):
+            if getattr(self, key) is not None:
+                opts[key] = getattr(self, key)
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None:
+            try:
+                option = fmt.option()
+            except PydanticCustomError as exc:
+                ctx = {k: v for k, v in (exc.context or {}).items() if k != "at"}
+                raise _error(exc.type, ("text", "format", "schema"), None, ctx,
+                             False) from None
+            if option is not None:
+                opts["response_format"] = option
+        items = self.input if isinstance(self.input, list) else response_items(self.input)
+        return ResponsesRequest(
+            items=items, instructions=self.instructions, model=self.model,
+            stream=bool(self.stream), store=self.store is not False,
+            previous_response_id=self.previous_response_id, tools=tools,
+            tool_choice=tool_choice, parallel_tool_calls=self.parallel_tool_calls is not False,
+            options=opts, echo={
+                "instructions": self.instructions, "tools": list(self.tools or []),
+                "tool_choice": choice.model_dump() if isinstance(choice, Wire)
+                else (choice or "auto"),
+                "parallel_tool_calls": self.parallel_tool_calls is not False,
+                "max_output_tokens": self.max_output_tokens,
+                "temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)
+                         if fmt is not None else {"type": "text"}},
+                "reasoning": self.reasoning or {"effort": None, "summary": None},
+                "metadata": self.metadata or {}, "user": self.user,
+                "store": self.store is not False,
+                "previous_response_id": self.previous_response_id,
+                "prompt_cache_key": self.prompt_cache_key})
+
+
+@dataclass
+class ResponsesRequest:
+    items: list[dict[str, Any]]  # the new input, as chat-template messages
+    instructions: str | None = None
+    model: str | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
+
+
+def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
+    return validated(ResponsesBody, body).request()
+
+
 # ---- the OpenAPI document ------------------------------------------------------------------
 
 ROUTES: dict[str, tuple[type[Wire], str]] = {
     "/v1/chat/completions": (ChatCompletionBody, "Create a chat completion (OpenAI)"),
     "/v1/completions": (CompletionBody, "Create a text completion (OpenAI, legacy)"),
     "/v1/messages": (MessagesBody, "Create a message (Anthropic)"),
+    "/v1/responses": (ResponsesBody, "Create a response (OpenAI Responses API)"),
 }
 
 

@@ -10,6 +10,7 @@ stops and `slotserve serve` exits non-zero, so that a process supervisor starts 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,10 @@ import structlog
 from slotserve.api.errors import APIError
 from slotserve.api.keys import APIKeys
 from slotserve.api.metrics import Metrics
+from slotserve.api.response_store import ResponseStore
+from slotserve.api.tool_formats import HERMES, CallSyntax, syntax_for_template
 from slotserve.engine import Engine, EngineConfig
+from slotserve.runtime.grammar import Grammar
 
 log = structlog.get_logger("slotserve.api")
 
@@ -35,6 +39,9 @@ class Settings:
     # seconds a request may wait in the queue before it is answered 429 + Retry-After
     # (None: no bound)
     queue_timeout: float | None = 600.0
+    # refuse (404) a model name other than the served id and its aliases; off, any name is
+    # this server's one model (agents send their own model names)
+    strict_model_names: bool = False
 
 
 def model_id_for(model: str | Path | None) -> str:
@@ -62,6 +69,11 @@ class AppState:
         self.failed = asyncio.Event()
         self.draining = False
         self.template_lists_tools = False
+        self.template_renders_calls = False
+        self.call_syntax: CallSyntax = HERMES
+        self.special_ids: dict[str, int] = {}  # the vocabulary's special tokens by text
+        self.grammars: OrderedDict[str, Grammar] = OrderedDict()  # compiled tool grammars
+        self.responses = ResponseStore()
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -78,7 +90,7 @@ class AppState:
         try:
             async with engine:
                 assert engine.template is not None
-                self.template_lists_tools = "tools" in engine.template.source
+                self.learn_template(engine)
                 log.info("serving", model=self.model_id)
                 await _first(stop.wait(), engine.wait_failed())
                 if engine.failure is not None:  # the server stops: see `failed`
@@ -91,6 +103,17 @@ class AppState:
             self.load_error = exc
             log.error("engine failed", error=str(exc), exc_info=exc)
             self.failed.set()
+
+    def learn_template(self, engine: Engine) -> None:
+        """What the chat template says of tools: whether it lists them and renders past
+        calls, and the call syntax it teaches (`tool_formats.syntax_for_template`)."""
+        assert engine.template is not None
+        source = engine.template.source
+        self.template_lists_tools = "tools" in source
+        self.template_renders_calls = "tool_calls" in source
+        self.call_syntax = syntax_for_template(None if engine.template.is_default else source)
+        self.special_ids = dict(engine.tokenizer.special_tokens)
+        log.info("tool calls", syntax=self.call_syntax.name)
 
     async def drain(self) -> None:
         """Stop taking requests, let running ones finish, close the engine (idempotent)."""
@@ -147,6 +170,8 @@ class AppState:
         return APIError(503, message, type="server_error", code=status, headers=headers)
 
     def knows_model(self, name: str | None) -> bool:
+        if not self.settings.strict_model_names:
+            return True
         if name is None or name in DEFAULT_ALIASES or name == self.model_id:
             return True
         path = self.engine.loaded.path if self.engine and self.engine.loaded else None

@@ -34,7 +34,8 @@ import structlog
 if TYPE_CHECKING:  # llguidance is imported when the first grammar is compiled
     import llguidance
 
-__all__ = ["Grammar", "Matcher", "apply_masks", "compile_response_format", "ll_tokenizer"]
+__all__ = ["Grammar", "Matcher", "apply_masks", "compile_lark", "compile_response_format",
+           "ll_tokenizer"]
 
 log = structlog.get_logger("slotserve.grammar")
 
@@ -102,14 +103,15 @@ def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
 class Grammar:
     """A compiled, validated grammar for one tokenizer; `matcher()` starts a fresh match."""
 
-    def __init__(self, kind: str, source: str, lltok: llguidance.LLTokenizer) -> None:
+    def __init__(self, kind: str, source: str, lltok: llguidance.LLTokenizer,
+                 param: str = "response_format") -> None:
         self.kind = kind
         self.source = source
         import llguidance
 
         self._proto = llguidance.LLMatcher(lltok, source, log_level=0)
         if self._proto.is_error():
-            raise ValueError(f"response_format: invalid {kind}: "
+            raise ValueError(f"{param}: invalid {kind}: "
                              f"{public_error(self._proto.get_error())}")
         # the tokens the grammar allows once it is complete; they end the request
         self.stop_ids = frozenset(lltok.eos_tokens)
@@ -118,7 +120,7 @@ class Grammar:
         if problem is not None:
             hint = ("; the text it forces has no end (does a required property or item "
                     "contain itself?)" if "Too many items" in problem else "")
-            raise ValueError(f"response_format: the {kind} cannot be followed: {problem}{hint}")
+            raise ValueError(f"{param}: the {kind} cannot be followed: {problem}{hint}")
 
     def _first_step(self) -> str | None:
         """Why a request could not take its first constrained step, or None.
@@ -223,6 +225,17 @@ def compile_response_format(fmt: Mapping[str, Any] | None, tokenizer: Any) -> Gr
     except (ValueError, TypeError, RecursionError) as exc:
         raise ValueError(f"response_format: invalid {kind}: {public_error(str(exc))}") from None
     return Grammar(kind, source, ll_tokenizer(tokenizer))
+
+
+def compile_lark(lark: str, tokenizer: Any, kind: str = "grammar",
+                 param: str = "tools") -> Grammar:
+    """A Lark grammar (llguidance's dialect: `%json {schema}` embeds a JSON schema, `<[id]>`
+    is a special token) -> a Grammar; ValueError names `param` and the problem. Tool calls
+    are forced with these (`api.tool_formats.call_grammar`)."""
+    import llguidance
+
+    return Grammar(kind, llguidance.LLMatcher.grammar_from_lark(lark), ll_tokenizer(tokenizer),
+                   param)
 
 
 def apply_masks(logits: mx.array, rows: Sequence[int],

@@ -1,4 +1,5 @@
-"""OpenAI response objects: completions, chunks, usage and logprobs, built from engine output."""
+"""OpenAI chat and text completion bodies: completions, chunks, usage and logprobs, built from
+engine output (the Responses API is `responses_api`)."""
 
 from __future__ import annotations
 

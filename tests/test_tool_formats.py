@@ -1,0 +1,177 @@
+"""Tool-call syntaxes per family: the streaming parser against whole-text parsing, the syntax
+chosen from real chat templates, and the forcing grammars checked by llguidance itself."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vocabularies import smollm2
+
+from slotserve.api.tool_formats import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    MISTRAL_ARGS,
+    PYTHONIC,
+    ArgumentsPiece,
+    CallClosed,
+    CallOpened,
+    CallParser,
+    CallSyntax,
+    TextPiece,
+    call_grammar,
+    no_call_grammar,
+    parse_pythonic,
+    parse_reply,
+    syntax_for_template,
+)
+from slotserve.api.tools import ToolChoice
+from slotserve.runtime.grammar import ll_tokenizer
+
+WEATHER = {"city": "Oslo", "days": [1, 2], "note": "a } and a \" inside"}
+ARGS = json.dumps(WEATHER)
+
+REPLIES: list[tuple[CallSyntax, str, str, list[tuple[str, dict]]]] = [
+    (HERMES, f'Let me check.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n'
+             f'</tool_call>\n<tool_call>{{"name": "f", "arguments": "{{\\"a\\": 1}}"}}</tool_call>',
+     "Let me check.\n\n", [("get_weather", WEATHER), ("f", {"a": 1})]),
+    (HERMES, "a < b <tool and <tool_call>not json</tool_call> ok",
+     "a < b <tool and <tool_call>not json</tool_call> ok", []),
+    (HERMES, '<tool_call>{"arguments": {"x": 1}, "name": "late"}</tool_call>', "",
+     [("late", {"x": 1})]),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {}}', "", [("f", {})]),
+    (LLAMA3_JSON, f'{{"name": "get_weather", "parameters": {ARGS}}}', "",
+     [("get_weather", WEATHER)]),
+    (LLAMA3_JSON, '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
+                  '{"name": "b", "parameters": {}}', "", [("a", {"x": 1}), ("b", {})]),
+    (LLAMA3_JSON, "The weather is fine.", "The weather is fine.", []),
+    (MISTRAL, f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {ARGS}}}, '
+              f'{{"name": "g", "arguments": {{"y": "z"}}}}]',
+     "", [("get_weather", WEATHER), ("g", {"y": "z"})]),
+    (MISTRAL_ARGS, f"Sure.[TOOL_CALLS]get_weather[ARGS]{ARGS}[TOOL_CALLS]g[ARGS]{{}}",
+     "Sure.", [("get_weather", WEATHER), ("g", {})]),
+    (PYTHONIC, '[get_weather(city="Oslo", days=[1, 2]), now()] done', " done",
+     [("get_weather", {"city": "Oslo", "days": [1, 2]}), ("now", {})]),
+    (PYTHONIC, "[not a call", "[not a call", []),
+]
+
+
+def chunked(syntax: CallSyntax, text: str, cuts: list[int]) -> list:
+    parser = CallParser(syntax)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    events = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        events += parser.feed(text[a:b])
+    return events + parser.finish()
+
+
+@pytest.mark.parametrize("syntax, text, content, calls", REPLIES)
+def test_whole_replies(syntax: CallSyntax, text: str, content: str,
+                       calls: list[tuple[str, dict]]) -> None:
+    got_text, got = parse_reply(text, syntax)
+    assert got_text == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert len({c.id for c in got}) == len(got)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(REPLIES), st.lists(st.integers(0, 200), max_size=30))
+def test_streaming_matches_whole_text(reply: tuple, cuts: list[int]) -> None:
+    """However the text is chunked, the events give the same text and calls as the whole;
+    each call's argument pieces, joined, are its arguments; calls come in index order."""
+    syntax, text, _, _ = reply
+    whole_text, whole = parse_reply(text, syntax)
+    events = chunked(syntax, text, cuts)
+    assert "".join(e.text for e in events if isinstance(e, TextPiece)) == whole_text
+    closed = [e.call for e in events if isinstance(e, CallClosed)]
+    assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments) for c in whole]
+    pieces: dict[int, list[str]] = {}
+    opened = [e for e in events if isinstance(e, CallOpened)]
+    assert [e.index for e in opened] == list(range(len(whole)))
+    for e in events:
+        if isinstance(e, ArgumentsPiece):
+            pieces.setdefault(e.index, []).append(e.text)
+    assert ["".join(pieces[i]) for i in range(len(closed))] == [c.arguments for c in closed]
+
+
+def test_arguments_stream_as_written() -> None:
+    """The arguments are passed on before the call is complete, piece by piece."""
+    parser = CallParser(HERMES)
+    assert parser.feed('<tool_call>\n{"name": "get_weather", "argu') == []
+    opened = parser.feed('ments": {"ci')
+    assert isinstance(opened[0], CallOpened) and opened[0].name == "get_weather"
+    assert opened[1:] == [ArgumentsPiece(0, '{"ci')]
+    assert parser.feed('ty": "Os') == [ArgumentsPiece(0, 'ty": "Os')]
+    events = parser.feed('lo"}}\n</tool_call>')
+    assert events[0] == ArgumentsPiece(0, 'lo"}')
+    assert isinstance(events[1], CallClosed) and events[1].call.arguments == '{"city": "Oslo"}'
+    assert parser.finish() == []
+
+
+def test_pythonic_literals() -> None:
+    assert parse_pythonic('[f(a=1, b="x", c=None, d=[True])]') == [
+        ("f", '{"a": 1, "b": "x", "c": null, "d": [true]}')]
+    assert parse_pythonic("[f(1)]") == [] and parse_pythonic("[f(a=g())]") == []
+
+
+@pytest.mark.parametrize("source, syntax", [
+    ("{{ '<tool_call>' }}{{ tool_call | tojson }}{{ '</tool_call>' }}", HERMES),
+    ("{{- '<|python_tag|>' }}", LLAMA3_JSON),
+    ('{"name": function name, "parameters": dictionary}<|eot_id|>', LLAMA3_JSON),
+    ("[TOOL_CALLS]{{ tool_calls | tojson }}", MISTRAL),
+    ("[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}", MISTRAL_ARGS),
+    ("[func_name1(params_name1=params_value1)]", PYTHONIC),
+    ("<|im_start|>{{ message.content }}", HERMES),
+    (None, HERMES),
+])
+def test_syntax_from_template(source: str | None, syntax: CallSyntax) -> None:
+    assert syntax_for_template(source) is syntax
+
+
+def test_render_reads_back() -> None:
+    """A past call written by `render` is parsed back to itself (what the model sees of its
+    own earlier calls is what it writes)."""
+    calls = [("get_weather", '{"city": "Oslo"}'), ("g", "{}")]
+    for syntax in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, PYTHONIC):
+        _, got = parse_reply(syntax.render(calls), syntax)
+        assert [(c.name, json.loads(c.arguments)) for c in got] == \
+            [(n, json.loads(a)) for n, a in calls], syntax.name
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("syntax", [HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS])
+def test_forcing_grammar_accepts_its_calls_only(syntax: CallSyntax) -> None:
+    """The grammar llguidance compiles takes a rendered call of a listed tool and refuses a
+    call of another tool or arguments outside the schema."""
+    tok = smollm2()
+    lark = call_grammar(syntax, TOOLS, ToolChoice("required"), True, {})
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(ll_tokenizer(tok), llguidance.LLMatcher.grammar_from_lark(lark),
+                                 log_level=0)
+        assert not m.is_error(), m.get_error()
+        ids = tok.encode(text, add_special=False)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    good = syntax.render([("get_weather", '{"city": "Oslo"}')])
+    if syntax.name == "hermes":
+        good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert accepts(good), good
+    assert not accepts(good.replace("get_weather", "get_time"))
+    assert not accepts(good.replace('{"city": "Oslo"}', '{"town": "Oslo"}'))
+    named = call_grammar(syntax, TOOLS, ToolChoice("function", "now"), False, {})
+    assert "get_weather" not in named
+
+
+def test_no_call_grammar_forbids_the_opener() -> None:
+    assert "<tool_call>" in (no_call_grammar(HERMES) or "")
+    assert no_call_grammar(PYTHONIC) is None
