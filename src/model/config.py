@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+import mlx.core as mx
+
 from slotserve.model.errors import UnsupportedModelError
 
 
@@ -111,20 +113,47 @@ def config_from_hf(cfg: dict[str, Any], family: ConfigFamily, source: str) -> Mo
     )
 
 
-def config_from_gguf(meta: dict[str, Any], family: ConfigFamily, source: str) -> ModelConfig:
-    """Build the family's config from GGUF metadata (values are str/list or 0-d arrays)."""
+def gguf_rope_scaling(get: Callable[..., Any], rope_freqs: Any, source: str
+                      ) -> dict[str, Any] | None:
+    """The RoPE scaling llama.cpp wrote, as slotserve.model.layers.rope_inv_freq reads it.
+
+    `<arch>.rope.scaling.type` says linear / yarn / longrope (none: no scaling); Llama 3's
+    scaling is written instead as the tensor `rope_freqs.weight`, one divisor per frequency
+    (llama.cpp divides each frequency by it, which is HF's llama3 formula, evaluated by the
+    converter), read here as rope_type "freq_factors". What rope_inv_freq cannot do is
+    refused, naming what it can."""
+    kind = get("rope.scaling.type") or "none"
+    rope: dict[str, Any] | None = None
+    if kind == "linear":
+        rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif kind != "none":
+        raise UnsupportedModelError(
+            f"{source}: unsupported GGUF rope scaling {kind!r}; supported: none, linear, "
+            "llama3 (the rope_freqs tensor)")
+    if rope_freqs is not None:
+        if rope is not None:
+            raise UnsupportedModelError(
+                f"{source}: both rope_freqs and rope scaling {kind!r}; supported: one of them")
+        rope = {"rope_type": "freq_factors",
+                "factors": [float(f) for f in rope_freqs.astype(mx.float32).tolist()]}
+    return rope
+
+
+def config_from_gguf(meta: dict[str, Any], family: ConfigFamily, source: str,
+                     rope_freqs: Any = None) -> ModelConfig:
+    """Build the family's config from GGUF metadata (values are str/list or 0-d arrays);
+    `rope_freqs` is the file's rope_freqs.weight tensor, if it has one."""
 
     def get(key: str, default: Any = None) -> Any:
         v = meta.get(key, default)
-        return v.item() if hasattr(v, "item") else v
+        return v.item() if isinstance(v, mx.array) and v.ndim == 0 else v
 
     p = f"{family.gguf_architecture}."
     heads = int(get(p + "attention.head_count"))
     hidden = int(get(p + "embedding_length"))
     n_vocab = get(p + "vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    rope = None
-    if get(p + "rope.scaling.type") == "linear":
-        rope = {"rope_type": "linear", "factor": float(get(p + "rope.scaling.factor"))}
+    rope = gguf_rope_scaling(lambda key, default=None: get(p + key, default), rope_freqs,
+                             source)
     common: dict[str, Any] = dict(
         family=family.name,
         hidden_size=hidden,

@@ -559,6 +559,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "freq_factors":  # llama.cpp's rope_freqs tensor (Llama 3.1+ GGUF): divisors
+        return inv / mx.array(scaling["factors"], dtype=mx.float32)
     if kind == "proportional":  # Gemma 4's global layers: only the first frequencies rotate
         rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
         inv = mx.where(mx.arange(head_dim // 2) < rotated, inv, 0.0)

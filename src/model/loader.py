@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
-from slotserve.model import families
+from slotserve.model import families, gguf
 from slotserve.model.config import ModelConfig, config_from_gguf, config_from_hf
 from slotserve.model.errors import ModelLoadError, UnsupportedModelError
 from slotserve.model.weights import read_gguf, read_safetensors_dir
@@ -92,14 +92,14 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, 
         weights = read_safetensors_dir(path)
         meta: dict[str, Any] = {}
     elif path.suffix == ".gguf":
-        try:
-            raw, meta = mx.load(str(path), return_metadata=True)
-        except Exception as exc:  # MLX raises ValueError/RuntimeError for unsupported quants
-            raise UnsupportedModelError(f"{path}: cannot read GGUF: {exc}") from exc
-        meta = dict(meta)
-        meta["__tensor_names__"] = {k.rsplit(".", 1)[0] + ".weight" for k in raw}
-        family = families.for_gguf(meta, str(path))
-        cfg = config_from_gguf(meta, family, str(path))
+        header = gguf.read_header(path)
+        meta = header.metadata
+        meta["__tensor_names__"] = {t.name for t in header.tensors}
+        family = families.for_gguf(meta, str(path))  # refused before any tensor is read
+        raw = gguf.read_tensors(path, header)
+        # llama.cpp's per-frequency RoPE divisors (Llama 3.1+): config, not a weight
+        rope_freqs = raw.pop("rope_freqs.weight", None)
+        cfg = config_from_gguf(meta, family, str(path), rope_freqs)
         weights = read_gguf(path, family, cfg, raw)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face directory")

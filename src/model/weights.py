@@ -1,7 +1,8 @@
 """Read checkpoint tensors into one naming scheme (Hugging Face's).
 
-GGUF files are read by `mx.load`: Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine
-quantized triples (group size 32, bits per tensor), K-quants arrive dequantized.
+GGUF files are read by slotserve.model.gguf: quantized tensors arrive as MLX affine
+quantized triples (group size 32, 4 or 8 bits per tensor; which GGML type becomes what is
+said there), dense ones as stored.
 Names are mapped to HF names by llama.cpp's convention (`GGUF_LAYER_NAMES`, plus what the
 family adds); what a family's GGUF files do differently is the family's to say
 (`Family`): llama.cpp's Q/K row permutation (done for the llama architecture so it can
@@ -71,7 +72,7 @@ def _unpermute_rows(t: Tensor, n_heads: int) -> Tensor:
 
 def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
               raw: dict[str, mx.array]) -> dict[str, Tensor]:
-    """Map GGUF tensors (already loaded by mx.load) to HF names."""
+    """Map GGUF tensors (as slotserve.model.gguf.read_tensors gives them) to HF names."""
     layer_names = {**GGUF_LAYER_NAMES, **family.gguf_layer_names}
     heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
     out: dict[str, Tensor] = {}

@@ -83,10 +83,31 @@ class Config(ModelConfig):
 
     @classmethod
     def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
-        window = get("attention.sliding_window")
-        return dict(sliding_window=int(window) if window else None,
-                    layer_types=layer_pattern(common["num_layers"]),
-                    query_pre_attn_scalar=float(common["head_dim"]))
+        """As llama.cpp reads them (src/models/gemma3.cpp): with a window, layers slide by
+        `attention.sliding_window_pattern` (a per-layer list, or n: every n-th layer global,
+        default 6); the query scale is `attention.scale` when written, else
+        hidden / heads for the 62-layer 27B (its query_pre_attn_scalar, 168, is not its
+        head_dim, 128, and the converter writes no key for it) and head_dim otherwise."""
+        n, window = common["num_layers"], get("attention.sliding_window")
+        pattern = get("attention.sliding_window_pattern", 6)
+        if not window:
+            types = [FULL] * n
+        elif isinstance(pattern, mx.array):
+            types = [SLIDING if bool(x) else FULL for x in pattern.tolist()]
+        else:
+            types = layer_pattern(n, int(pattern))
+        scale = get("attention.scale")
+        if scale:
+            scalar = float(scale) ** -2
+        elif n == 62:
+            scalar = float(common["hidden_size"] // common["num_heads"])
+        else:
+            scalar = float(common["head_dim"])
+        cap = get("final_logit_softcapping")
+        return dict(sliding_window=int(window) if window else None, layer_types=types,
+                    rope_local_theta=float(get("rope.freq_base_swa", 10000.0)),
+                    query_pre_attn_scalar=scalar,
+                    final_logit_softcapping=float(cap) if cap else None)
 
     def hf_keys(self) -> dict[str, Any]:
         return dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
