@@ -75,9 +75,13 @@ class StepOutput:
 class ModelRunner:
     """Owns the model; every method here runs on the MLX thread."""
 
-    def __init__(self, model: object, speculate: bool = False, compiled: bool = False) -> None:
+    def __init__(self, model: object, speculate: bool = False, compiled: bool = False,
+                 device_sampling: bool | None = None) -> None:
         self.model = model
         self.speculate = speculate
+        # sample in MLX ops alone (runtime.sampling, on_device): nothing read back before
+        # the tokens, so a sampled step pipelines as a greedy one does. None: when pipelined
+        self.device_sampling = speculate if device_sampling is None else device_sampling
         # decode steps on the GPU kernels through mx.compile (runtime.compiled)
         self.compiled = CompiledDecode(model) if compiled else None
         self._spec: Speculation | None = None
@@ -179,8 +183,10 @@ class ModelRunner:
         if constrained:  # only these rows change; every other row keeps its exact logits
             logits = apply_masks(logits, [i for i, _ in constrained], [m for _, m in constrained])
         draft = draft_rows(logits, [w.params for w in work], [w.state for w in work],
-                           [w.draw for w in work])
-        mx.async_eval(draft.tokens, *kv_arrays)  # the device starts on this step now
+                           [w.draw for w in work], on_device=self.device_sampling)
+        # the device starts on this step now (its logprobs too: read after the next step
+        # is queued, they must not wait for it)
+        mx.async_eval(*draft.outputs(logprobs=want_lp, top_logprobs=top), *kv_arrays)
         speculated = self._speculate(work, draft.tokens) if self.speculate else []
         res = draft.result(logprobs=want_lp, top_logprobs=top)
         if self._spec is not None:

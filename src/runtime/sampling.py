@@ -29,6 +29,19 @@ Per-row pipeline, in order:
 
 Reported logprobs are ``log_softmax(z)``: after penalties and bias, before temperature and
 truncation, i.e. what the (penalised) model thinks of the token, as OpenAI reports it.
+
+Two ways to compute step 3's cutoffs, with the same numbers (a full descending sort's values
+and sequential running sums are the prefix's; tests/test_device_sampling.py checks tokens):
+
+- ``on_device=True`` (the pipelined runner's, i.e. the GPU's): every op is an MLX op on the
+  device, the uniforms too (splitmix64 in uint64), and no value is read back before the
+  step's tokens, so the runner can queue the next step on the lazy tokens. Rows that rank
+  (top_k / top_p) get one full sort of their vocabulary: its width never depends on the
+  batch, so neither do the device's scan and reduction shapes (MLX's CUDA scan picks its
+  block size from the row length), and a nucleus of any width costs the same.
+- ``on_device=False`` (the CPU's unpipelined steps): a top-k prefix (a linear partition
+  on the CPU) with host checks, and numpy's sort for wide nuclei: MLX's CPU sort is several
+  times slower than numpy's, and an unpipelined step has nothing to overlap a sync with.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import mlx.core as mx
@@ -53,6 +66,7 @@ __all__ = [
     "SampleResult",
     "SamplingParams",
     "apply_penalties",
+    "device_uniforms",
     "draft_rows",
     "sample_rows",
     "uniform_for",
@@ -303,6 +317,24 @@ def uniform_for(seed: int, position: int) -> float:
     return (h >> 40) / float(1 << 24)
 
 
+def _mix64_mx(z: mx.array) -> mx.array:
+    z = (z ^ (z >> 30)) * mx.array(np.uint64(0xBF58476D1CE4E5B9))
+    z = (z ^ (z >> 27)) * mx.array(np.uint64(0x94D049BB133111EB))
+    return z ^ (z >> 31)
+
+
+def device_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> mx.array:
+    """``uniform_for`` of each (seed, position) as MLX ops, float32 [n], lazy.
+
+    uint64 arithmetic wraps on every backend, which is the ``& _U64`` of the host version,
+    so the values are bit-identical to it.
+    """
+    seed = mx.array(np.array([s & _U64 for s in seeds], np.uint64))
+    pos = mx.array(np.array([(p + 1) & _U64 for p in positions], np.uint64))
+    h = _mix64_mx(_mix64_mx(seed) + pos * mx.array(np.uint64(0x9E3779B97F4A7C15)))
+    return (h >> 40).astype(mx.float32) * (1.0 / (1 << 24))
+
+
 def apply_penalties(logits: mx.array, states: Sequence[RowState]) -> mx.array:
     """Penalised, biased float32 logits [N, V] (step 1); only history / bias entries change.
 
@@ -436,10 +468,76 @@ def _truncation_mask(
     return keep
 
 
+def _sorted_cutoffs(
+    ascending: mx.array, k_eff: np.ndarray, top_p: np.ndarray, total: mx.array
+) -> tuple[mx.array, mx.array]:
+    """`_cutoffs` over each row's whole vocabulary, sorted ascending, as lazy arrays.
+
+    Reverse scans of the ascending sort are the descending sort's running sums, summed in
+    the same order (from the largest value); the mass of the top_k set is the running sum
+    before rank k, which is the inclusive sum at rank k - 1. Returns (c, thr) per row.
+    """
+    vocab = ascending.shape[-1]
+    k = mx.array(k_eff.astype(np.int32))
+    p = mx.array(top_p.astype(np.float32))
+    before = mx.cumsum(ascending, axis=-1, reverse=True, inclusive=False)  # at V-1-rank
+    at_k = (vocab - 1 - mx.minimum(k, vocab - 1))[:, None]
+    mass = mx.where(k < vocab, mx.take_along_axis(before, at_k, axis=-1)[:, 0], total)
+    count = mx.sum(before < (p * mass)[:, None], axis=-1).astype(mx.int32)
+    c = mx.minimum(k, mx.where(p < 1.0, count, vocab))
+    cut = vocab - mx.clip(c, 1, vocab)  # rank c - 1, counted from the end
+    return c, mx.take_along_axis(ascending, cut[:, None], axis=-1)[:, 0]
+
+
+def _device_truncation_mask(
+    e: mx.array,
+    total: mx.array,
+    k_eff: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+) -> mx.array | None:
+    """`_truncation_mask` in MLX ops alone: nothing is read back, so the mask stays lazy.
+
+    Which rows rank is a matter of their own parameters (host values), never of the data;
+    the tie fix-up runs for every row (a row without excess ties keeps its mask as it is).
+    """
+    n, vocab = e.shape
+    ranked = (k_eff < vocab) | (top_p < 1.0)
+    if not ranked.any():
+        if not (min_p > 0).any():
+            return None
+        return e >= mx.array(min_p.astype(np.float32))[:, None]
+    rows = np.nonzero(ranked)[0]
+    e_r, total_r = e, total
+    if len(rows) < n:
+        idx = mx.array(rows.astype(np.int32))
+        e_r, total_r = mx.take(e, idx, axis=0), mx.take(total, idx, axis=0)
+    c, thr = _sorted_cutoffs(mx.sort(e_r, axis=-1), k_eff[rows], top_p[rows], total_r)
+    if len(rows) < n:  # back to every row: the others cut nothing (c = vocab)
+        at = np.full(n, len(rows), np.int32)
+        at[rows] = np.arange(len(rows), dtype=np.int32)
+        at_mx = mx.array(at)
+        c = mx.concatenate([c, mx.array([vocab], mx.int32)])[at_mx]
+        thr = mx.concatenate([thr, mx.zeros((1,), mx.float32)])[at_mx]
+    cut = c < vocab
+    # e >= 0 everywhere, so a 0 threshold keeps the whole row.
+    thr = mx.where(cut, thr, 0.0)
+    keep = e >= mx.maximum(mx.array(min_p.astype(np.float32)), thr)[:, None]
+    # Tokens tied with the threshold: keep only the lowest ids, as a stable sort would.
+    tied = mx.where(cut, thr, -1.0)[:, None]
+    n_gt, n_ge = mx.sum(e > tied, axis=-1), mx.sum(e >= tied, axis=-1)
+    excess = cut & (n_ge > c)
+    need = mx.where(excess, c - n_gt, vocab)[:, None]
+    eq = e == mx.where(excess, thr, -1.0)[:, None]
+    rank = mx.cumsum(eq.astype(mx.int32), axis=-1)
+    return keep & (mx.logical_not(eq) | (rank <= need))
+
+
 def _draw(
-    z: mx.array, row_max: mx.array, params: Sequence[SamplingParams], uniforms: np.ndarray
+    z: mx.array, row_max: mx.array, params: Sequence[SamplingParams], uniforms: mx.array,
+    on_device: bool = False,
 ) -> mx.array:
-    """Inverse-CDF draw for non-greedy rows; returns token ids [n]."""
+    """Inverse-CDF draw for non-greedy rows (uniforms float32 [n]); returns token ids [n]."""
     n, vocab = z.shape
     scale = np.array([_LOG2E / p.temperature for p in params], np.float32)
     e = mx.power(2.0, (z - row_max[:, None]) * mx.array(scale)[:, None])
@@ -447,12 +545,13 @@ def _draw(
     top_p = np.array([p.top_p for p in params], np.float32)
     min_p = np.array([p.min_p for p in params], np.float32)
     total = mx.sum(e, axis=-1)
-    keep = _truncation_mask(e, total, k_eff, top_p, min_p)
+    mask = _device_truncation_mask if on_device else _truncation_mask
+    keep = mask(e, total, k_eff, top_p, min_p)
     if keep is not None:
         e = e * keep
     cdf = mx.cumsum(e, axis=-1)
     mass = cdf[:, -1:]
-    target = mx.array(uniforms.astype(np.float32))[:, None] * mass
+    target = uniforms[:, None] * mass
     # First index whose running sum exceeds the target; the second count guards the case
     # where float rounding puts the target at the very top of the CDF.
     first = mx.sum(cdf <= target, axis=-1)
@@ -468,14 +567,16 @@ def sample_rows(
     *,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    on_device: bool = False,
 ) -> SampleResult:
     """Sample one token per row of ``logits`` [N, V]; row i uses params[i], states[i].
 
     ``positions[i]`` is the row's draw counter (default: tokens generated so far). States are
     not modified: call ``states[i].observe(token)`` once the token is committed.
-    ``top_logprobs`` (<= 20) implies ``logprobs``.
+    ``top_logprobs`` (<= 20) implies ``logprobs``. ``on_device``: see the module docstring
+    (the same tokens either way).
     """
-    return draft_rows(logits, params, states, positions).result(
+    return draft_rows(logits, params, states, positions, on_device=on_device).result(
         logprobs=logprobs, top_logprobs=top_logprobs)
 
 
@@ -490,32 +591,41 @@ class SampleDraft:
     tokens: mx.array  # int32 [N], lazy
     z: mx.array  # the processed logits, float32 [N, V]
     row_max: mx.array | None
+    # (top count, lazy logprob arrays), built by `outputs` once
+    _logprobs: tuple[int, list[mx.array]] | None = field(default=None, repr=False)
 
-    def result(self, *, logprobs: bool = False, top_logprobs: int = 0) -> SampleResult:
-        """Wait for the tokens (and logprobs if asked) and return them as Python values."""
+    def outputs(self, *, logprobs: bool = False, top_logprobs: int = 0) -> list[mx.array]:
+        """The lazy arrays `result` reads: the tokens, then (if asked) each row's logprob,
+        and its top ids and their logprobs. The pipelined runner starts them all on the
+        device with the tokens, so reading the logprobs never waits for the next step."""
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
-        mx.eval(self.tokens)
-        tokens = np.array(self.tokens)
-        result = SampleResult(tokens=tokens.tolist())
         if not (logprobs or top_logprobs):
-            return result
-        z = self.z
-        row_max = self.row_max if self.row_max is not None else mx.max(z, axis=-1)
-        vocab = z.shape[1]
-        shifted = z - row_max[:, None]
-        lse = mx.log(mx.sum(mx.power(2.0, shifted * _LOG2E), axis=-1, keepdims=True))
-        picked = mx.take_along_axis(shifted, self.tokens[:, None], -1) - lse
-        outs = [picked]
-        top_n = min(top_logprobs, vocab)
-        if top_n:
-            top_ids = mx.argpartition(-z, top_n - 1, axis=-1)[:, :top_n]
-            outs += [top_ids, mx.take_along_axis(shifted, top_ids, -1) - lse]
+            return [self.tokens]
+        key = min(top_logprobs, self.z.shape[1])
+        if self._logprobs is None or self._logprobs[0] != key:
+            z = self.z
+            row_max = self.row_max if self.row_max is not None else mx.max(z, axis=-1)
+            shifted = z - row_max[:, None]
+            lse = mx.log(mx.sum(mx.power(2.0, shifted * _LOG2E), axis=-1, keepdims=True))
+            outs = [mx.take_along_axis(shifted, self.tokens[:, None], -1) - lse]
+            if key:
+                top_ids = mx.argpartition(-z, key - 1, axis=-1)[:, :key]
+                outs += [top_ids, mx.take_along_axis(shifted, top_ids, -1) - lse]
+            self._logprobs = (key, outs)
+        return [self.tokens, *self._logprobs[1]]
+
+    def result(self, *, logprobs: bool = False, top_logprobs: int = 0) -> SampleResult:
+        """Wait for the tokens (and logprobs if asked) and return them as Python values."""
+        outs = self.outputs(logprobs=logprobs, top_logprobs=top_logprobs)
         mx.eval(*outs)
-        result.logprobs = np.array(picked)[:, 0].astype(float).tolist()
-        if top_n:
-            ids_np, vals_np = np.array(outs[1]), np.array(outs[2])
+        result = SampleResult(tokens=np.array(outs[0]).tolist())
+        if len(outs) == 1:
+            return result
+        result.logprobs = np.array(outs[1])[:, 0].astype(float).tolist()
+        if len(outs) == 4:
+            ids_np, vals_np = np.array(outs[2]), np.array(outs[3])
             result.top_logprobs = []
             for ids_row, vals_row in zip(ids_np, vals_np, strict=True):
                 order = np.lexsort((ids_row, -vals_row))
@@ -530,8 +640,14 @@ def draft_rows(
     params: Sequence[SamplingParams],
     states: Sequence[RowState],
     positions: Sequence[int] | None = None,
+    *,
+    on_device: bool = False,
 ) -> SampleDraft:
-    """Build (lazily) one token per row of ``logits``; see ``sample_rows``."""
+    """Build (lazily) one token per row of ``logits``; see ``sample_rows``.
+
+    With ``on_device`` nothing here waits for the device: the draft's tokens are one lazy
+    graph from the logits (what the pipelined runner queues the next step on).
+    """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [N, V], got shape {logits.shape}")
     n, _ = logits.shape
@@ -549,14 +665,16 @@ def draft_rows(
     if arg is not None and greedy.all():
         return SampleDraft(arg, z, row_max)
     rows = np.nonzero(~greedy)[0]
-    uniforms = np.array([uniform_for(states[i].seed, positions[i]) for i in rows])
+    seeds, draws = [states[i].seed for i in rows], [positions[i] for i in rows]
+    uniforms = (device_uniforms(seeds, draws) if on_device else
+                mx.array(np.array(list(map(uniform_for, seeds, draws)), np.float32)))
     assert row_max is not None
     if len(rows) == n:
-        return SampleDraft(_draw(z, row_max, list(params), uniforms).astype(mx.int32), z,
-                           row_max)
+        drawn = _draw(z, row_max, list(params), uniforms, on_device)
+        return SampleDraft(drawn.astype(mx.int32), z, row_max)
     sel = mx.array(rows.astype(np.int32))
     zs, ms = mx.take(z, sel, axis=0), mx.take(row_max, sel, axis=0)
-    drawn = _draw(zs, ms, [params[i] for i in rows], uniforms).astype(mx.int32)
+    drawn = _draw(zs, ms, [params[i] for i in rows], uniforms, on_device).astype(mx.int32)
     assert arg is not None
     # put each drawn token at its row; greedy rows keep their argmax
     scattered = mx.zeros((n,), mx.int32).at[sel].add(drawn)
