@@ -40,7 +40,7 @@ def test_text_stream_and_not(client: openai.OpenAI) -> None:
     stream helper folds the events into the same response the plain call returns."""
     args: dict[str, Any] = dict(
         model="gpt-5-codex", instructions="You are a helpful assistant.", temperature=0,
-        max_output_tokens=12, input=[
+        max_output_tokens=8, input=[
             {"role": "developer", "content": "Answer in one sentence."},
             {"type": "message", "role": "user",
              "content": [{"type": "input_text", "text": "What is the capital of France?"}]}])
@@ -68,7 +68,7 @@ def test_forced_call_streams_arguments_and_continues(client: openai.OpenAI) -> N
     conversation through previous_response_id, reusing the cached prompt."""
     args: dict[str, Any] = dict(model="m", input=ASK, tools=[WEATHER_TOOL], temperature=0,
                                 tool_choice="required", parallel_tool_calls=False,
-                                max_output_tokens=40)
+                                max_output_tokens=30)
     r = client.responses.create(**args)
     (call,) = r.output
     assert call.type == "function_call" and call.name == "get_weather"
@@ -83,7 +83,7 @@ def test_forced_call_streams_arguments_and_continues(client: openai.OpenAI) -> N
     assert final.output[0].arguments == call.arguments and final.output[0].name == call.name
     nxt = client.responses.create(
         model="m", previous_response_id=r.id, tools=[WEATHER_TOOL], tool_choice="none",
-        max_output_tokens=6, temperature=0,
+        max_output_tokens=3, temperature=0,
         input=[{"type": "function_call_output", "call_id": call.call_id,
                 "output": "sunny, 21 C"}])
     assert nxt.output[0].type == "message"
@@ -137,7 +137,7 @@ def test_codex_first_request(srv: BackgroundServer) -> None:
         "tool_choice": "auto", "parallel_tool_calls": False,
         "reasoning": {"effort": "medium", "summary": "auto"}, "store": False,
         "stream": True, "include": ["reasoning.encrypted_content"],
-        "prompt_cache_key": "0199c7b0-codex-session", "max_output_tokens": 4}
+        "prompt_cache_key": "0199c7b0-codex-session", "max_output_tokens": 2}
     with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [x for x in r.iter_lines() if x and not x.startswith(":")]
