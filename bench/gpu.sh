@@ -133,9 +133,11 @@ if want host; then
 fi
 
 if want tests; then
-  stage "pytest -m gpu tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py"
+  stage "pytest -m gpu tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py" \
+    "tests/test_device_sampling.py"
   timeout "${TESTS_TIMEOUT:-400}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA \
-    tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py 2>&1 \
+    tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py \
+    tests/test_device_sampling.py 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 fi
 

@@ -194,3 +194,37 @@ def test_pipelined_sampled_step_queues_the_next_before_reading(
     host = ModelRunner(model, speculate=True, device_sampling=False)
     tokens, windows = _windows(host, model, monkeypatch)
     assert tokens == plain and all(map(_reads_first, windows)), windows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.is_available(mx.gpu), reason="needs MLX with a GPU")
+def test_gpu_sampled_rows_alone_equal_batched() -> None:
+    """On the GPU's own sort, scans and reductions, at a Llama-3 vocabulary: each sampled row
+    (top_p, top_k, min_p, penalties; peaked rows and the flat rows of random weights) draws
+    the same token alone and in batches of 2, 9 and 64 rows of other knobs, in MLX ops alone."""
+    rng = np.random.default_rng(5)
+    vocab = 128256
+    logits = _random_logits(rng, 64, vocab)
+    logits[32:] *= 0.02  # random weights: nearly flat, nuclei of most of the vocabulary
+    params = [_random_params(rng, vocab) for _ in range(64)]
+    params[:4] = [SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+                  SamplingParams(temperature=0.7, top_k=40, seed=2),
+                  SamplingParams(temperature=1.0, min_p=0.05, seed=3),
+                  SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.3, seed=4)]
+    params[32:36] = params[:4]
+    states = [_history_state(rng, p, vocab) for p in params]
+    positions = rng.integers(0, 1000, 64).tolist()
+    with mx.stream(mx.gpu):
+        full = mx.array(logits).astype(mx.bfloat16)
+        batched = sample_rows(full, params, states, positions, on_device=True).tokens
+        for i in [0, 1, 2, 3, 32, 33, 34, 35, *rng.integers(4, 64, 6).tolist()]:
+            alone = sample_rows(full[i : i + 1], params[i : i + 1], states[i : i + 1],
+                                positions[i : i + 1], on_device=True).tokens
+            assert alone == [batched[i]], (i, params[i])
+            for size in (2, 9):
+                rows = [i, *rng.choice(np.delete(np.arange(64), i), size - 1,
+                                       replace=False).tolist()]
+                got = sample_rows(full[mx.array(rows)], [params[r] for r in rows],
+                                  [states[r] for r in rows], [positions[r] for r in rows],
+                                  on_device=True).tokens
+                assert got[0] == batched[i], (i, size, params[i])
