@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampled decoding (seeded) instead of greedy")
     b.add_argument("--top-p", type=float, default=None)
     b.add_argument("--top-k", type=int, default=None)
+    b.add_argument("--sampling", dest="sampling_cases", action="store_true",
+                   help="each N greedy, temperature 0.7 + top_p 0.9 and temperature 0.7 + "
+                        "top_k 40 (seeded) on the same prompts; tok/s and ratios to greedy")
     b.set_defaults(fn=cmd_bench)
 
     # --- synth (random-weight checkpoints of real model shapes; see slotserve.tools.synth) ---

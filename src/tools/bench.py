@@ -5,6 +5,9 @@ and through a plain single-sequence loop over the same model code, prefill tok/s
 on a 512-token prompt, and peak RSS. Concurrency mode drives N streams of distinct
 prompts (greedy, fixed length via ignore_eos) and reports aggregate tok/s, TTFT
 and inter-token latency percentiles, and the engine's own per-step overhead.
+Sampling mode (`--sampling`) runs the same N streams once per sampler case of
+`SAMPLING_CASES` (greedy, temperature 0.7 + top_p 0.9, temperature 0.7 + top_k 40; the
+same prompts for each) and reports each case's tok/s and its ratio to greedy at that N.
 """
 
 from __future__ import annotations
@@ -95,6 +98,38 @@ async def run_streams(engine: Engine, n: int, prompt_tokens: int, new_tokens: in
         "itl_p95_ms": round(pct(gaps, 0.95) * 1000, 1),
         **overhead,
     }
+
+
+# `--sampling`'s cases, greedy first (the ratios' reference); seeded, so runs repeat
+SAMPLING_CASES: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "temperature 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9, "seed": 1234},
+    "temperature 0.7, top_k 40": {"temperature": 0.7, "top_k": 40, "seed": 1234},
+}
+
+
+async def sampling_table(engine: Engine, streams: list[int], prompt_tokens: int,
+                         new_tokens: int, offset: int = 0) -> list[dict[str, Any]]:
+    """For each N, each sampler case on the same N prompts (no prefix kept between cases):
+    aggregate and steady-decode tok/s (N / step time) and both as a ratio to greedy's."""
+    rows: list[dict[str, Any]] = []
+    for i, n in enumerate(streams):
+        greedy: dict[str, Any] | None = None
+        for name, opts in SAMPLING_CASES.items():
+            engine.drop_retained()
+            r = {"case": name, **await run_streams(engine, n, prompt_tokens, new_tokens,
+                                                   offset=offset + 100 * (i + 1),
+                                                   sampling=opts)}
+            r["decode_tok_s"] = round(n * 1000 / r["step_ms"], 1) if r["step_ms"] else None
+            if greedy is None:
+                greedy = r
+            else:
+                r["aggregate_vs_greedy"] = round(r["aggregate_tok_s"]
+                                                 / greedy["aggregate_tok_s"], 3)
+                if r["decode_tok_s"] and greedy["decode_tok_s"]:
+                    r["decode_vs_greedy"] = round(r["decode_tok_s"] / greedy["decode_tok_s"], 3)
+            rows.append(r)
+    return rows
 
 
 def step_overhead(engine: Engine, since: int, n: int) -> dict[str, Any]:
@@ -200,6 +235,13 @@ def main(args: argparse.Namespace) -> int:
             }
             if args.single:
                 info["single"] = await bench_single(engine, args.new_tokens)
+            elif getattr(args, "sampling_cases", False):
+                await run_streams(engine, 1, 32, 4, sampling=SAMPLING_CASES[
+                    "temperature 0.7, top_p 0.9"])  # warm-up, the sampler's too
+                info["sampling"] = await sampling_table(engine, streams, args.prompt_tokens,
+                                                        args.new_tokens)
+                for r in info["sampling"]:
+                    print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
             else:
                 await run_streams(engine, 1, 32, 4)  # warm-up
                 rows = []
@@ -213,9 +255,10 @@ def main(args: argparse.Namespace) -> int:
             return info
 
     result = anyio.run(run)
-    name = "single" if args.single else "concurrency"
+    name = ("single" if args.single else
+            "sampling" if getattr(args, "sampling_cases", False) else "concurrency")
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    if not args.single:
+    if name == "concurrency":
         plot(result["concurrency"], out / f"{name}.png",
              f"slotserve {result['model']} on {result['device']}")
     print(json.dumps(result, indent=2))  # noqa: T201 - the command's output
