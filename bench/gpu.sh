@@ -7,6 +7,9 @@
 #   env    machine, versions, quick kernel checks (quantized matmul by rows, gather_qmm)
 #   synth  random-weight llama3-8b, MLX 4-bit (slotserve synth) under $SYNTH_DIR
 #   bench  bench/gpu_bench.py on it: probe, engine invariance, N sweep, TTFT, runner split
+#   sampling  gpu_bench.py --sampling: decode tok/s with temperature 0.7 + top_p 0.9 and
+#          top_k 40 beside greedy at N = 1, 8, 64, and each ratio to greedy (not in the
+#          default list)
 #   admission  bench/gpu_admission.py on it, default KV budget: 64 requests without
 #          max_tokens run at once; 8 x 32k-token prompts all served (not in the default list)
 #   host   bench/host_cost.py once per MLX CUDA-graph setting: a step's host cost, plain
@@ -111,6 +114,13 @@ if want bench; then
   timeout "${BENCH_TIMEOUT:-280}" $PY bench/gpu_bench.py --model "$LLAMA" --streams 1,8,32,64,128 \
     --prompt-tokens 128 --new-tokens 64 --ttft-tokens 1024 --prefill-budget 1024 \
     --out "$OUT/bench_llama3-8b.json" ${BENCH_ARGS:-} | grep -v '^ \|^[{}]$'
+fi
+
+if want sampling; then
+  stage "gpu_bench llama3-8b --sampling: greedy, top_p 0.9, top_k 40 at N = 1, 8, 64"
+  timeout "${SAMPLING_TIMEOUT:-300}" $PY bench/gpu_bench.py --model "$LLAMA" --streams "" \
+    --sampling --sampling-streams 1,8,64 --prompt-tokens 128 --sampling-new-tokens 256 \
+    --skip-invariance --out "$OUT/sampling_llama3-8b.json" | grep -v '^ \|^[{}]$'
 fi
 
 if want admission; then

@@ -14,6 +14,9 @@ Sections:
 - `runner`: the same decode steps through the model directly (no engine), split into
   graph-building time (Python) and total step time.
 - `ttft`: time to first token of a 1k-token prompt (cold) through the engine.
+- `sampling` (`--sampling`): `slotserve bench --sampling`'s table: at each of
+  `--sampling-streams`, greedy, temperature 0.7 + top_p 0.9 and temperature 0.7 + top_k 40
+  on the same prompts, decode tok/s and the ratio to greedy (issue 18: >= 0.9x).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import anyio
 import slotserve  # noqa: F401  (OpenBLAS before MLX on Linux; harmless elsewhere)
 from slotserve.engine import Engine
 from slotserve.kernels import cuda
-from slotserve.tools.bench import prompt_ids, run_streams
+from slotserve.tools.bench import SAMPLING_CASES, prompt_ids, run_streams, sampling_table
 
 GB = 1e9
 
@@ -538,9 +541,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
     streams = [int(x) for x in args.streams.split(",") if x]
+    sampled = [int(x) for x in args.sampling_streams.split(",") if x] if args.sampling else []
+    slots = max(streams + sampled + [8])
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, device=args.device, max_slots=max(streams),
-                         max_queue=4 * max(streams), prefill_budget=args.prefill_budget)
+    engine = Engine.load(args.model, device=args.device, max_slots=slots,
+                         max_queue=4 * slots, prefill_budget=args.prefill_budget)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
                               "model": str(args.model), "python": platform.python_version(),
                               "mlx": mx.__version__, "args": vars(args)}
@@ -566,6 +571,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # warm-up as long as a sweep point: after a 4-token warm-up the first sweep point
         # (N = 1) once stepped slower (6.4 ms) than the next (N = 8, 5.6 ms)
         await run_streams(engine, 8, args.prompt_tokens, args.new_tokens)
+        if sampled:  # the sampler's shapes warmed as the greedy ones just were
+            await run_streams(engine, 8, args.prompt_tokens, args.new_tokens,
+                              sampling=SAMPLING_CASES["temperature 0.7, top_p 0.9"])
+            report["sampling"] = await sampling_table(engine, sampled, args.prompt_tokens,
+                                                      args.sampling_new_tokens)
+            for r in report["sampling"]:
+                emit({"sampling": r})
         report["sweep"] = await sweep(engine, model, streams, args, "sweep")
         assert engine.batcher is not None
         runner_obj = engine.batcher.runner
@@ -609,6 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
+    p.add_argument("--sampling", action="store_true",
+                   help="the sampled-decoding table (greedy, top_p, top_k) before the sweep; "
+                        "--streams '' skips the sweep")
+    p.add_argument("--sampling-streams", default="1,8,64")
+    p.add_argument("--sampling-new-tokens", type=int, default=256)
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")
