@@ -24,6 +24,8 @@ from structlog.testing import capture_logs
 from slotserve.model.layers import Batch
 from slotserve.runtime.plain import greedy_tokens
 
+from converted import tiny_hf
+from mlx4_checks import assert_mlx4_matches
 from model_checks import hf_greedy
 from slotserve.model.loader import load
 
@@ -36,6 +38,11 @@ VOCAB = 512
 TEXT_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                    vocab_size=VOCAB, model_type="gemma3_text", sliding_window=8,
                    rope_scaling={"factor": 8.0, "rope_type": "linear"})
+# the converted checkpoint's text model: tiny_hf's SmolLM2 vocabulary, one global layer
+CONVERTED_TEXT = dict(vocab_size=49_152, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                      layer_types=["sliding_attention", "full_attention"])
 VISION_CONFIG = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                      num_attention_heads=2, image_size=28, patch_size=14,
                      model_type="siglip_vision_model")
@@ -96,3 +103,13 @@ def test_text_logits_match(pair: Any) -> None:
 def test_greedy_tokens_match(pair: Any) -> None:
     hf, model, prompt, _ = pair
     assert greedy_tokens(model, prompt, NEW_TOKENS) == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+def test_mlx4_text_part_matches_dequantized_reference() -> None:
+    """mlx_lm.convert -q of a Gemma3ForConditionalGeneration (it drops the vision tower and
+    keeps the text weights under language_model.): 64 teacher-forced tokens against
+    transformers holding the same 4-bit numbers (mlx4_checks)."""
+    hf_dir = tiny_hf("gemma3", {"text_config": CONVERTED_TEXT, "vision_config": VISION_CONFIG,
+                                "mm_tokens_per_image": 4})
+    prompt = np.random.default_rng(2).integers(3, 49_152, 24).tolist()
+    assert_mlx4_matches(hf_dir, prompt, linears=2 * 4 + 1)

@@ -25,6 +25,8 @@ import pytest
 from slotserve.model.layers import Batch
 from slotserve.runtime.plain import greedy_tokens
 
+from converted import tiny_hf
+from mlx4_checks import assert_mlx4_matches
 from model_checks import hf_greedy
 from slotserve.model.loader import load
 
@@ -88,7 +90,7 @@ def hf_stepped_greedy(hf: Any, prompt: list[int], steps: int) -> list[int]:
         step = hf(torch.tensor([prompt]), use_cache=True)
         for i in range(steps):
             out.append(int(step.logits[0, -1].argmax()))
-            step = hf(torch.tensor([out[-1:]]), past_key_values=step.past_key_values,
+            step = hf(torch.tensor([out[-1:]]), cache=step.past_key_values,
                       use_cache=True, position_ids=torch.tensor([[len(prompt) + i]]))
     return out
 
@@ -99,3 +101,11 @@ def test_greedy_decode_matches_hf(pair: Any) -> None:
     want = (hf_stepped_greedy(hf, prompt, NEW_TOKENS) if variant == "longrope"
             else hf_greedy(hf, prompt, NEW_TOKENS))
     assert greedy_tokens(model, prompt, NEW_TOKENS) == want
+
+
+def test_mlx4_matches_dequantized_reference() -> None:
+    """mlx_lm.convert -q of a tiny phi3 checkpoint: 64 teacher-forced tokens against
+    transformers holding the same 4-bit numbers (mlx4_checks)."""
+    hf_dir = tiny_hf("phi3", {"partial_rotary_factor": 0.75, "sliding_window": 16})
+    prompt = np.random.default_rng(2).integers(3, 49_152, 24).tolist()
+    assert_mlx4_matches(hf_dir, prompt, linears=2 * 4 + 1)

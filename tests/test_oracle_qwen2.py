@@ -22,6 +22,8 @@ from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.layers import Batch
 from slotserve.runtime.plain import greedy_tokens
 
+from converted import tiny_hf
+from mlx4_checks import assert_mlx4_matches
 from model_checks import hf_greedy
 from slotserve.model.loader import load
 
@@ -86,3 +88,11 @@ def test_unread_tensors_are_refused(pair: Any, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match=r"does not use: .*self_attn\.k_proj\.bias"):
         load(tmp_path, device="cpu", with_tokenizer=False, probe_rows=None)
+
+
+def test_mlx4_matches_dequantized_reference() -> None:
+    """mlx_lm.convert -q of a tiny qwen2 checkpoint: 64 teacher-forced tokens against
+    transformers holding the same 4-bit numbers (mlx4_checks)."""
+    hf_dir = tiny_hf("qwen2", {})
+    prompt = np.random.default_rng(2).integers(3, 49_152, 24).tolist()
+    assert_mlx4_matches(hf_dir, prompt, linears=2 * 4 + 1)
