@@ -16,6 +16,7 @@ keeps its one RoPE layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import mlx.core as mx
 
 import slotserve.model.families.llama as llama
 from slotserve.model import decoder, layers
+from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.family import Family
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -58,6 +60,15 @@ class Config(llama.Config):
         return dict(super().hf_fields(cfg, num_layers),
                     original_max_position_embeddings=int(orig) if orig else None,
                     partial_rotary_factor=float(partial))
+
+    @classmethod
+    def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+        """Refused: llama.cpp's phi3 files keep LongRoPE's factors as tensors and the partial
+        rotation as rope.dimension_count, which the GGUF reader does not take yet (a file read
+        without them would answer wrong)."""
+        raise UnsupportedModelError(
+            "phi3 GGUF files are not supported yet; supported for phi3: Hugging Face "
+            "directories (float or MLX 4-bit)")
 
 
 def split_rows(t: Tensor, sizes: list[int]) -> list[Tensor]:
@@ -141,5 +152,4 @@ FAMILY = Family(
     hf_architectures=("Phi3ForCausalLM",),
     hf_model_type="phi3",
     gguf_architecture="phi3",
-    gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 )
