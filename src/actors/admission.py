@@ -37,6 +37,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from slotserve.actors import state_snapshots
 from slotserve.actors.kv_cache import Chain, KVCache
 from slotserve.actors.messages import (
     CacheNamespace,
@@ -119,7 +120,10 @@ class Waiting:
 
 class Admission:
     def __init__(self, slots: list[Slot], cache: KVCache, *, max_queue: int, kv_budget: int,
-                 context_length: int, reserve_tokens: int = DEFAULT_RESERVE_TOKENS) -> None:
+                 context_length: int, reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
+                 state_interval: int = state_snapshots.DEFAULT_INTERVAL) -> None:
+        """state_interval: pages between the recurrent-state snapshots the cache keeps, for
+        models whose sequences carry a state (Gated DeltaNet layers)."""
         self.slots = slots
         self.cache = cache
         self.max_queue = max_queue
@@ -128,6 +132,14 @@ class Admission:
         self.budget_pages = max(kv_budget // self.page_bytes, 1)
         self.context_length = context_length
         self.reserve_pages = pages_for(reserve_tokens)
+        # a recurrent state per busy slot: a fixed floor of pages whatever its length
+        self.floor_pages = 0
+        if slots and state_snapshots.carries_state(slots[0].kv):
+            state = slots[0].kv.state_bytes  # type: ignore[attr-defined]
+            self.floor_pages = -(-state // self.page_bytes)
+            cache.snapshots = state_snapshots.StateSnapshots(
+                slots[0].kv.recurrent.shape.nbytes,  # type: ignore[attr-defined]
+                self.page_bytes, state_interval)
         self.queue: deque[Waiting] = deque()
         self.promised: dict[int, int] = {}  # slot id -> pages promised, not yet taken
         self.places: dict[int, Place] = {}  # slot id -> how its request was placed
@@ -141,7 +153,12 @@ class Admission:
 
     @property
     def committed_pages(self) -> int:
-        return self.cache.held + sum(self.promised.values())
+        return self.cache.held + sum(self.promised.values()) + self._floors()
+
+    def _floors(self) -> int:
+        """Pages the busy slots' recurrent states take (0 for models without one)."""
+        return self.floor_pages * sum(1 for s in self.slots if s.busy) if self.floor_pages \
+            else 0
 
     @property
     def busy_bytes(self) -> int:
@@ -156,7 +173,7 @@ class Admission:
         """Raise for a request that can never run."""
         if len(req.prompt_ids) + req.max_tokens > self.context_length:
             raise ContextOverflowError(len(req.prompt_ids), req.max_tokens, self.context_length)
-        need = pages_for(len(req.prompt_ids) + 1) * self.page_bytes
+        need = (pages_for(len(req.prompt_ids) + 1) + self.floor_pages) * self.page_bytes
         if need > self.kv_budget:
             raise BudgetExceededError(
                 f"the prompt ({len(req.prompt_ids)} tokens) needs {need} bytes of KV but the "
@@ -230,10 +247,11 @@ class Admission:
         room = pages_for(len(tokens) + req.max_tokens - generated) - pages_for(len(tokens))
         reserve = min(self.reserve_pages, max(room, 0))
         if self.committed_pages + new + self.cache.newly_held(match) + reserve \
-                > self.budget_pages:
+                + self.floor_pages > self.budget_pages:
             return False
         slot.chain = self.cache.take(match, slot.kv, req.cache_namespace)
-        slot.kv.add_pages(self.cache.allocate(new, self.budget_pages))
+        pages_room = self.budget_pages - self._floors() - self.floor_pages
+        slot.kv.add_pages(self.cache.allocate(new, pages_room))
         self.cache.copy_into(match, slot.kv)
         self.promised[slot.id] = reserve
         self.places[slot.id] = w.place
@@ -251,9 +269,9 @@ class Admission:
         extra = max(0, need - promise)
         if self.committed_pages + extra <= self.budget_pages:
             self.promised[slot.id] = promise - (need - extra)
-            slot.kv.add_pages(self.cache.allocate(need, self.budget_pages))
+            slot.kv.add_pages(self.cache.allocate(need, self.budget_pages - self._floors()))
             return Growth.OK
-        if len(slot.kv.pages) + need > self.budget_pages:
+        if len(slot.kv.pages) + need + self.floor_pages > self.budget_pages:
             return Growth.FULL  # its own context outgrows the whole budget
         if slot not in self.growth_waiters:
             self.growth_waiters.append(slot)

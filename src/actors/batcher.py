@@ -57,6 +57,9 @@ class Batcher(Actor[BatcherMessage]):
         self.runner = runner
         self.mlx = mlx
         self.prefill_budget = prefill_budget
+        # prefill chunks end at multiples of this (the model's `prefill_align`: a Gated
+        # DeltaNet computes whole sub-chunks at fixed positions, slotserve.model.deltanet)
+        self.align: int = getattr(runner.model, "prefill_align", 1)
         self.offers: dict[int, Ready] = {}  # slot id -> its standing offer
         self.awaiting: set[int] = set()  # slots served by the last step, not yet answered
         self.stats = StepStats()
@@ -101,7 +104,7 @@ class Batcher(Actor[BatcherMessage]):
             if take <= 0:
                 self.offers[offer.slot_id] = offer  # next tick
             else:
-                planned.append((offer.slot, _feed(offer.work, take)))
+                planned.append((offer.slot, _feed(offer.work, self._aligned(offer.work, take))))
         return planned
 
     @staticmethod
@@ -120,6 +123,16 @@ class Batcher(Actor[BatcherMessage]):
             left -= take
         shares[oldest.slot_id] = min(len(oldest.work.tokens), floor + left)
         return [(o, shares[o.slot_id]) for o in prefill]
+
+    def _aligned(self, work: RowWork, take: int) -> int:
+        """A prefill share cut back to end at a multiple of `align` (or the offer's end;
+        at least up to the next multiple, so a chunk is never empty)."""
+        if self.align == 1 or take >= len(work.tokens):
+            return take
+        end = (work.start + take) // self.align * self.align
+        if end <= work.start:
+            end = (work.start // self.align + 1) * self.align
+        return min(end - work.start, len(work.tokens))
 
     async def _step(self, planned: list[tuple[Address[SlotMessage], RowWork]]) -> None:
         t0 = time.perf_counter()

@@ -23,6 +23,8 @@ before any step that could read them), so nothing it shares is recomputed.
 
 Pages nobody holds stay resident (`idle`, least recently used first) until the budget
 needs them: `allocate` evicts from the front. Namespace None publishes and finds nothing.
+Models whose sequences carry a recurrent state keep snapshots of it beside the pages and
+resume only from one (slotserve.actors.state_snapshots).
 Everything here runs on the event loop (page bookkeeping only; the arrays grow on the MLX
 thread, see KVPool.ensure_arrays).
 """
@@ -33,10 +35,12 @@ import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from slotserve.actors.messages import CacheNamespace
+from slotserve.actors.state_snapshots import StateSnapshots
 from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import KVPool, SlotKV
 
@@ -74,6 +78,8 @@ class Match:
     tail: int | None = None  # the tail page taken over (the last of `pages`), if any
     # (page, n): its first n positions are copied into the sequence's next page
     copy: tuple[int, int] | None = None
+    # the recurrent-state snapshot the match resumes from (models with one; state_snapshots)
+    state: Any = None
 
 
 @dataclass
@@ -138,17 +144,22 @@ class KVCache:
         self.writing = PageIndex()  # running sequences' unfinished pages, as far as written
         self.idle: OrderedDict[int, None] = OrderedDict()  # resident, unheld; LRU first
         self.evictions: Counter[str] = Counter()
+        # recurrent-state snapshots, for models whose sequences carry a state (Admission
+        # sets it; see slotserve.actors.state_snapshots)
+        self.snapshots: StateSnapshots | None = None
 
     # ---- counts ---------------------------------------------------------------------
 
     @property
     def resident(self) -> int:
-        """Pages in use or kept for reuse (what the budget bounds)."""
-        return self.pool.ids - self.pool.free_count
+        """Pages in use or kept for reuse, state snapshots included (what the budget bounds)."""
+        snapshots = self.snapshots.pages if self.snapshots is not None else 0
+        return self.pool.ids - self.pool.free_count + snapshots
 
     @property
     def held(self) -> int:
-        return self.resident - len(self.idle)
+        snapshots = self.snapshots.pages if self.snapshots is not None else 0
+        return self.resident - len(self.idle) - snapshots
 
     @property
     def shared(self) -> int:
@@ -158,7 +169,12 @@ class KVCache:
 
     def lookup(self, tokens: list[int], namespace: CacheNamespace | None) -> Match:
         """The longest prefix of `tokens` the cache holds, leaving at least the last token
-        to be fed (its logits choose the next token)."""
+        to be fed (its logits choose the next token); with state snapshots, the longest
+        that ends at one (`StateSnapshots.trim`)."""
+        match = self._lookup_pages(tokens, namespace)
+        return match if self.snapshots is None else self.snapshots.trim(match)
+
+    def _lookup_pages(self, tokens: list[int], namespace: CacheNamespace | None) -> Match:
         match = Match()
         if namespace is None or len(tokens) < 2:
             return match
@@ -216,6 +232,8 @@ class KVCache:
         if match.copy is not None:
             self._hold(match.copy[0])
         kv.set_pages(list(match.pages))
+        if self.snapshots is not None:
+            self.snapshots.start(kv, match)  # type: ignore[arg-type]
         return Chain(namespace, list(match.keys))
 
     def copy_into(self, match: Match, kv: SlotKV) -> None:
@@ -255,6 +273,8 @@ class KVCache:
         least recently used idle pages (evicted: their cache entries dropped)."""
         while n > 0 and self.resident + n > budget and self.idle:
             self.evict_one("budget")
+        while n > 0 and self.resident + n > budget and self.snapshots and self.snapshots.states:
+            self.snapshots.evict_one()  # snapshots of pages still held: shallower ones stay
         return self.pool.take(n)
 
     def evict_one(self, reason: str) -> None:
@@ -285,6 +305,8 @@ class KVCache:
             key = next_key(parent, written)
             chain.keys.append(key)
             page = kv.pages[j]
+            if self.snapshots is not None:
+                self.snapshots.publish(kv, key, j)  # type: ignore[arg-type]
             self.writing.remove(page)
             if key not in self.pages and page not in self.key_of:
                 self.pages[key] = page
@@ -297,6 +319,8 @@ class KVCache:
         """A sequence lets go of its KV: published pages nobody else holds become idle; its
         unfinished last page becomes its chain's tail (namespace None: everything freed)."""
         self.publish(kv, ledger, chain)
+        if self.snapshots is not None:
+            self.snapshots.finish(kv)  # type: ignore[arg-type]
         pages = kv.pages
         kv.set_pages([])
         full = len(ledger) // BLOCK
@@ -311,6 +335,8 @@ class KVCache:
         key = self.key_of.pop(page, None)
         if key is not None and self.pages.get(key) == page:
             del self.pages[key]
+            if self.snapshots is not None:
+                self.snapshots.drop(key)
         self.full.remove(page)
         self.tails.remove(page)
         self.writing.remove(page)

@@ -47,10 +47,12 @@ class CompiledDecode:
 
     @staticmethod
     def applies(batch: Batch, logit_rows: list[int]) -> bool:
-        """A decode step on the CUDA kernels, logits of every row in order."""
+        """A decode step on the CUDA kernels, logits of every row in order (no sequence
+        with a recurrent state: model.deltanet keeps it outside the traced arrays)."""
         return (batch.cuda is not None and batch.pool is not None
                 and batch.rows == batch.padded_rows == len(logit_rows)
-                and all(s.length == 1 for s in batch.segments)
+                and all(s.length == 1 and not hasattr(s.kv, "recurrent")
+                        for s in batch.segments)
                 and logit_rows == list(range(len(logit_rows))))
 
     def run(self, tokens: mx.array, batch: Batch, logit_rows: list[int]) -> mx.array | None:

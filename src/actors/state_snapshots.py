@@ -1,0 +1,102 @@
+"""Recurrent-state snapshots in the prefix cache, for models whose sequences carry a state
+beside their K/V pages (Gated DeltaNet layers: slotserve.model.deltanet).
+
+A recurrent state cannot be cut at an arbitrary position: a cached prefix is only usable up
+to a position where the sequence's state was kept. So the cache keeps, beside the pages, a
+snapshot of every layer's state at page boundaries (every `interval` pages), keyed by the
+chain key of the page that ends there: the same exact tokens, positions and namespace as
+the page. A snapshot is taken only where the state has the bits a cold prefill of those
+tokens gives (the model's `canonical` marks), so a continuation resumed from it computes
+every later position exactly as the same prompt prefilled cold.
+
+A lookup keeps the deepest snapshot inside the pages it matched and trims the match there
+(no tail page, no partial copy: the state must start at the snapshot). Snapshots count as
+resident memory in the budget (`pages`: each costs the page-equivalents of its bytes, never
+committed to a running request) and are dropped with their page, or on their own (least
+recently used first) when the budget needs room and no idle page is left. Everything here
+runs on the event loop; the arrays are MLX values made by earlier steps (already evaluated)
+and only referenced here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Protocol
+
+from slotserve.kernels.attention import BLOCK
+
+Key = bytes
+
+DEFAULT_INTERVAL = 2  # pages between snapshots (every 256 positions)
+
+
+class Stateful(Protocol):
+    """A sequence's KV that carries a recurrent state (deltanet.HybridKV)."""
+
+    recurrent: Any
+    state_bytes: int
+
+
+def carries_state(kv: object) -> bool:
+    return hasattr(kv, "recurrent")
+
+
+class StateSnapshots:
+    def __init__(self, snapshot_bytes: int, page_bytes: int,
+                 interval: int = DEFAULT_INTERVAL) -> None:
+        if interval < 1:
+            raise ValueError(f"state snapshot interval must be at least 1 page, not {interval}")
+        self.interval = interval
+        self.cost = max(1, -(-snapshot_bytes // page_bytes))  # pages a snapshot stands for
+        self.states: OrderedDict[Key, list[Any]] = OrderedDict()  # LRU first
+        self.taken = 0  # snapshots a lookup resumed from (stats, tests)
+
+    @property
+    def pages(self) -> int:
+        """The budget pages the snapshots take."""
+        return len(self.states) * self.cost
+
+    def trim(self, match: Any) -> Any:
+        """Cut a Match (slotserve.actors.kv_cache) to its deepest snapshot: the pages up to
+        there, that snapshot in `match.state` (None: start cold, nothing reused)."""
+        match.tail, match.copy = None, None
+        depth = len(match.keys)
+        while depth > 0 and match.keys[depth - 1] not in self.states:
+            depth -= 1
+        match.pages, match.keys = match.pages[:depth], match.keys[:depth]
+        match.tokens = depth * BLOCK
+        match.state = self.states[match.keys[-1]] if depth else None
+        if depth:
+            self.states.move_to_end(match.keys[-1])
+        return match
+
+    def start(self, kv: Stateful, match: Any) -> None:
+        """A sequence placed on `kv` starts from the match's snapshot (or position 0) and
+        marks its canonical states for `publish`."""
+        kv.recurrent.restore(match.tokens, match.state)
+        kv.recurrent.keep_marks = True
+        if match.state is not None:
+            self.taken += 1
+
+    def publish(self, kv: Stateful, key: Key, page_index: int) -> None:
+        """Page `page_index` of kv's sequence was published under `key`: keep the state at
+        its end if the interval asks for one there and the sequence reached it exactly."""
+        end = (page_index + 1) * BLOCK
+        marks = kv.recurrent.marks
+        states = kv.recurrent.snapshot(end)
+        for pos in [p for p in marks if p <= end]:
+            del marks[pos]
+        if states is not None and (page_index + 1) % self.interval == 0 \
+                and key not in self.states:
+            self.states[key] = states
+
+    def finish(self, kv: Stateful) -> None:
+        """The sequence let go: its live state is no longer needed."""
+        kv.recurrent.restore(0, None)
+        kv.recurrent.keep_marks = False
+
+    def drop(self, key: Key) -> None:
+        self.states.pop(key, None)
+
+    def evict_one(self) -> None:
+        self.states.popitem(last=False)

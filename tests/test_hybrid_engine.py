@@ -1,0 +1,144 @@
+"""A hybrid Gated DeltaNet model (tiny qwen3_5) served by the engine: batch invariance,
+determinism, isolation from a cancelled peer, the recurrent state's budget floor, and
+prefix reuse through state snapshots (a continuation from a snapshot gives the tokens of
+the same prompt prefilled cold).
+
+prefill_budget 24 is below the DeltaNet's sub-chunk (32): the Batcher then cuts every
+prefill chunk at the next multiple of 32, so the prompts below run many aligned chunks
+beside each other's decode rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from engine_harness import PROMPTS as ALL_PROMPTS
+from engine_harness import EngineHarness, wait_until
+from engine_harness import alternating_options as options
+
+from slotserve.kernels.attention import BLOCK
+from slotserve.model import deltanet
+from slotserve.tools.synth import write_smollm2_tokenizer
+
+PROMPTS = ALL_PROMPTS[:6]
+# ~360 tokens: a history long enough for a snapshot at 256
+LONG = " ".join(f"Line {i}: the river runs past stone {i * 7 % 13} and tree {i % 5}."
+                for i in range(26))
+
+
+def make_tiny_qwen3_5(path: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_smollm2_tokenizer(path)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log") or name.endswith("dt_bias"):
+                continue
+            p.normal_(0.0, 0.3 if "norm" in name else 0.08)
+    model.to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = make_tiny_qwen3_5(Path(tmp_path_factory.mktemp("qwen3_5_engine")))
+    h = EngineHarness(path, max_slots=4, max_queue=16, prefill_budget=24)
+    yield h
+    h.close()
+
+
+def _ids(engine: Any, text: str) -> list[int]:
+    return engine.render_chat([{"role": "user", "content": text}])
+
+
+def test_batch_invariance(harness: EngineHarness) -> None:
+    engine = harness.engine
+    solo = []
+    for i in range(len(PROMPTS)):
+        engine.drop_retained()
+        solo.append(harness.call(lambda i=i: engine.complete(_ids(engine, PROMPTS[i]),
+                                                             **options(i))))
+
+    async def together() -> dict[int, Any]:
+        out: dict[int, Any] = {}
+
+        async def one(i: int, delay: float) -> None:
+            await anyio.sleep(delay)
+            out[i] = await engine.complete(_ids(engine, PROMPTS[i]), **options(i))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):  # 6 requests on 4 slots: some wait for a slot
+                tg.start_soon(one, i, 0.05 * i)
+        return out
+
+    engine.drop_retained()
+    batched = harness.call(together)
+    for i, c in batched.items():
+        assert c.token_ids == solo[i].token_ids, f"prompt {i} differs in a batch"
+
+
+def test_a_cancelled_peer_changes_nothing(harness: EngineHarness) -> None:
+    engine = harness.engine
+    engine.drop_retained()
+    want = harness.call(lambda: engine.complete(_ids(engine, PROMPTS[0]), **options(0)))
+
+    async def with_peer() -> Any:
+        async with anyio.create_task_group() as tg:
+            async def peer() -> None:
+                stream = engine.chat([{"role": "user", "content": LONG}], max_tokens=64,
+                                     ignore_eos=True)
+                async for _ in stream:  # leave after a few tokens: cancelled mid-flight
+                    break
+
+            tg.start_soon(peer)
+            got = await engine.complete(_ids(engine, PROMPTS[0]), **options(0))
+        return got
+
+    engine.drop_retained()
+    assert harness.call(with_peer).token_ids == want.token_ids
+
+
+def test_state_floor_is_charged_per_busy_slot_and_released(harness: EngineHarness) -> None:
+    engine = harness.engine
+    adm = engine.admission
+    kv = engine.slots[0].kv
+    assert isinstance(kv, deltanet.HybridKV)
+    assert adm.floor_pages == -(-kv.state_bytes // adm.page_bytes) > 0
+    assert adm.page_bytes == BLOCK * kv.pool.bytes_per_position  # attention layers alone
+    harness.call(lambda: engine.complete(_ids(engine, PROMPTS[2]), max_tokens=4))
+    assert wait_until(lambda: not any(s.busy for s in engine.slots), 10)
+    assert adm.committed_pages == 0  # no floor left behind, no page held
+    assert all(not any(v) for s in engine.slots for v in s.kv.recurrent.versions)
+
+
+def test_continuation_from_a_snapshot_equals_cold(harness: EngineHarness) -> None:
+    engine = harness.engine
+    engine.drop_retained()
+    first = [{"role": "user", "content": LONG}]
+    turn1 = harness.call(lambda: engine.complete(engine.render_chat(first), max_tokens=8,
+                                                 temperature=0.0, ignore_eos=True))
+    convo = [*first, {"role": "assistant", "content": turn1.text},
+             {"role": "user", "content": "And the stones?"}]
+    prompt = engine.render_chat(convo)
+    warm = harness.call(lambda: engine.complete(prompt, max_tokens=16, temperature=0.0,
+                                                ignore_eos=True))
+    n1 = len(engine.render_chat(first))
+    # resumed from the deepest snapshot (every 2 pages) inside turn 1's prefill
+    assert warm.usage.reused_tokens == (n1 // (2 * BLOCK)) * 2 * BLOCK > 0
+    engine.drop_retained()
+    cold = harness.call(lambda: engine.complete(prompt, max_tokens=16, temperature=0.0,
+                                                ignore_eos=True))
+    assert cold.usage.reused_tokens == 0
+    assert warm.token_ids == cold.token_ids
