@@ -73,6 +73,19 @@ PRESETS: dict[str, Preset] = {
         "rope_theta": 1000000.0, "max_position_embeddings": 40960,
         "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
     }),
+    # Qwen3.5/3.6-35B-A3B: 3 of 4 layers Gated DeltaNet, MoE with a shared expert
+    "qwen3.5-35b-a3b": Preset("Qwen3_5MoeForCausalLM", {
+        "model_type": "qwen3_5_moe", "hidden_size": 2048, "num_hidden_layers": 40,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "num_experts": 256, "num_experts_per_tok": 8, "vocab_size": 248320,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
+        "hidden_act": "silu",
+    }),
     # small shapes for tests (every input width a multiple of the 4-bit group)
     "tiny-llama": Preset("LlamaForCausalLM", {
         "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
@@ -90,7 +103,22 @@ PRESETS: dict[str, Preset] = {
         "rope_theta": 1000000.0, "max_position_embeddings": 4096,
         "tie_word_embeddings": False, "hidden_act": "silu",
     }),
+    "tiny-qwen3.5-moe": Preset("Qwen3_5MoeForCausalLM", {
+        "model_type": "qwen3_5_moe", "hidden_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+        "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 49152, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25},
+        "hidden_act": "silu",
+    }),
 }
+
+# Gated DeltaNet hybrids (slotserve.model.families.qwen3_5*): their own tensor layout
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 def preset_config(name: str, layers: int | None = None) -> dict[str, Any]:
@@ -114,6 +142,9 @@ def tensor_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[in
     nq, nkv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     experts = int(cfg.get("num_experts", 0))
     qk_norm = cfg["model_type"] in ("qwen3", "qwen3_moe")
+    if cfg["model_type"] in HYBRID_TYPES:
+        yield from _hybrid_shapes(cfg, fmt)
+        return
     yield "model.embed_tokens.weight", (v, h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -127,21 +158,75 @@ def tensor_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[in
             yield f"{p}.self_attn.q_norm.weight", (hd,)
             yield f"{p}.self_attn.k_norm.weight", (hd,)
         if experts and i not in cfg.get("mlp_only_layers", []):
-            inter = cfg["moe_intermediate_size"]
-            yield f"{p}.mlp.gate.weight", (experts, h)
-            if fmt == "mlx4":  # mlx-lm: one stacked tensor per projection
-                yield f"{p}.mlp.switch_mlp.gate_proj.weight", (experts, inter, h)
-                yield f"{p}.mlp.switch_mlp.up_proj.weight", (experts, inter, h)
-                yield f"{p}.mlp.switch_mlp.down_proj.weight", (experts, h, inter)
-            else:  # HF: one tensor per expert (expanded from a stacked draw in _arrays)
-                yield f"{p}.mlp.experts.gate_proj.weight", (experts, inter, h)
-                yield f"{p}.mlp.experts.up_proj.weight", (experts, inter, h)
-                yield f"{p}.mlp.experts.down_proj.weight", (experts, h, inter)
+            yield from _expert_shapes(cfg, f"{p}.mlp", fmt)
         else:
             inter = cfg["intermediate_size"]
             yield f"{p}.mlp.gate_proj.weight", (inter, h)
             yield f"{p}.mlp.up_proj.weight", (inter, h)
             yield f"{p}.mlp.down_proj.weight", (h, inter)
+    yield "model.norm.weight", (h,)
+    if not cfg.get("tie_word_embeddings"):
+        yield "lm_head.weight", (v, h)
+
+
+def _expert_shapes(cfg: dict[str, Any], p: str, fmt: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A sparse MLP's router and experts (mlp prefix p)."""
+    h, experts, inter = cfg["hidden_size"], int(cfg["num_experts"]), cfg["moe_intermediate_size"]
+    yield f"{p}.gate.weight", (experts, h)
+    if fmt == "mlx4":  # mlx-lm: one stacked tensor per projection
+        yield f"{p}.switch_mlp.gate_proj.weight", (experts, inter, h)
+        yield f"{p}.switch_mlp.up_proj.weight", (experts, inter, h)
+        yield f"{p}.switch_mlp.down_proj.weight", (experts, h, inter)
+    else:  # HF: one tensor per expert (expanded from a stacked draw in _arrays)
+        yield f"{p}.experts.gate_proj.weight", (experts, inter, h)
+        yield f"{p}.experts.up_proj.weight", (experts, inter, h)
+        yield f"{p}.experts.down_proj.weight", (experts, h, inter)
+
+
+def _hybrid_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Qwen3.5's layout: Gated DeltaNet layers (linear_attn) and gated attention
+    (q_proj yields query and gate), every MLP routed experts plus a gated shared expert."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    hd, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    nk = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    nvh = cfg["linear_num_value_heads"]
+    nv = nvh * cfg["linear_value_head_dim"]
+    every = cfg.get("full_attention_interval", 4)
+    yield "model.embed_tokens.weight", (v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        if (i + 1) % every == 0:
+            a = f"{p}.self_attn"
+            yield f"{a}.q_proj.weight", (2 * heads * hd, h)
+            yield f"{a}.k_proj.weight", (kv * hd, h)
+            yield f"{a}.v_proj.weight", (kv * hd, h)
+            yield f"{a}.o_proj.weight", (h, heads * hd)
+            yield f"{a}.q_norm.weight", (hd,)
+            yield f"{a}.k_norm.weight", (hd,)
+        else:
+            a = f"{p}.linear_attn"
+            yield f"{a}.in_proj_qkv.weight", (2 * nk + nv, h)
+            yield f"{a}.in_proj_z.weight", (nv, h)
+            yield f"{a}.in_proj_b.weight", (nvh, h)
+            yield f"{a}.in_proj_a.weight", (nvh, h)
+            yield f"{a}.conv1d.weight", (2 * nk + nv, 1, cfg["linear_conv_kernel_dim"])
+            yield f"{a}.dt_bias", (nvh,)
+            yield f"{a}.A_log", (nvh,)
+            yield f"{a}.norm.weight", (cfg["linear_value_head_dim"],)
+            yield f"{a}.out_proj.weight", (h, nv)
+        if cfg.get("num_experts"):
+            yield from _expert_shapes(cfg, f"{p}.mlp", fmt)
+            inter = cfg["shared_expert_intermediate_size"]
+            yield f"{p}.mlp.shared_expert.gate_proj.weight", (inter, h)
+            yield f"{p}.mlp.shared_expert.up_proj.weight", (inter, h)
+            yield f"{p}.mlp.shared_expert.down_proj.weight", (h, inter)
+            yield f"{p}.mlp.shared_expert_gate.weight", (1, h)
+        else:
+            yield f"{p}.mlp.gate_proj.weight", (cfg["intermediate_size"], h)
+            yield f"{p}.mlp.up_proj.weight", (cfg["intermediate_size"], h)
+            yield f"{p}.mlp.down_proj.weight", (h, cfg["intermediate_size"])
     yield "model.norm.weight", (h,)
     if not cfg.get("tie_word_embeddings"):
         yield "lm_head.weight", (v, h)
@@ -161,7 +246,7 @@ def _arrays(name: str, w: mx.array, fmt: str) -> dict[str, mx.array]:
         q, scales, biases = mx.quantize(w, group_size=GROUP_SIZE, bits=BITS)
         base = name[: -len(".weight")]
         return {name: q, f"{base}.scales": scales, f"{base}.biases": biases}
-    if w.ndim == 3:  # bf16 MoE: HF's per-expert names
+    if w.ndim == 3 and ".experts." in name:  # bf16 MoE: HF's per-expert names
         prefix, proj = name.rsplit(".experts.", 1)
         return {f"{prefix}.experts.{e}.{proj}": w[e] for e in range(w.shape[0])}
     return {name: w}
