@@ -61,6 +61,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from slotserve.router.server import main as route_main
+
+    return route_main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from slotserve.tools.bench import main as bench_main
 
@@ -109,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                    help="answer a request still waiting for a slot after this long with 429 "
                         "and Retry-After (default 600; 0 waits without bound)")
+    s.add_argument("--strict-model-names", action="store_true",
+                   help="answer 404 to a request naming a model other than the served one "
+                        "(default: any name is the served model, as agents send their own)")
     s.add_argument("--kv-budget", default=None,
                    help="KV cache budget, bytes or with a unit (e.g. 2GiB, 512MiB); default: "
                    "on a GPU the device memory left after the weights less 10%% (at least "
@@ -135,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-batch-variance", action="store_true",
                    help="serve even if the start-up probe finds outputs depend on the batch")
     s.set_defaults(fn=cmd_serve)
+
+    r = sub.add_parser("route", help="prefix-aware router in front of slotserve replicas")
+    from slotserve.router.options import add_arguments as route_arguments
+
+    route_arguments(r)
+    r.set_defaults(fn=cmd_route)
 
     b = sub.add_parser("bench", help="in-process throughput/latency benchmark")
     b.add_argument("--model", default=None)

@@ -9,6 +9,7 @@ Errors, before a stream starts or inside it, are `{"type": "error", "error": {ty
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import uuid
@@ -19,9 +20,22 @@ from typing import Any
 from quart import Response
 
 from slotserve.actors.messages import Delta
-from slotserve.api.errors import APIError, dumps
-from slotserve.api.generation import ChatRun, engine_failure, start_chat, stream_response
-from slotserve.api.schemas import AnthropicMessage, MessagesBody, joined, validated
+from slotserve.api.errors import APIError, bad_request, dumps
+from slotserve.api.generation import (
+    ChatRun,
+    chat_prompt,
+    engine_failure,
+    start_chat,
+    stream_response,
+)
+from slotserve.api.schemas import (
+    AnthropicMessage,
+    CountTokensBody,
+    MessagesBody,
+    TextBlock,
+    joined,
+    validated,
+)
 from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tool_formats import ArgumentsPiece, CallClosed, CallEvent, CallOpened, TextPiece
@@ -67,7 +81,7 @@ def sse(kind: str, payload: dict[str, Any]) -> bytes:
 @dataclass
 class MessagesRequest:
     messages: list[AnthropicMessage]  # validated; converted once the engine is up
-    max_tokens: int
+    max_tokens: int | None  # None only for count_tokens
     model: str | None = None
     system: str | None = None
     stream: bool = False
@@ -76,12 +90,29 @@ class MessagesRequest:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_messages(body: dict[str, Any]) -> MessagesRequest:
-    """A request body (see `schemas.MessagesBody`) -> the request; a mistake is a 400."""
-    b = validated(MessagesBody, body)
+# Claude Code starts its system prompt with a line that changes on every request
+# ("x-anthropic-billing-header: cc_version=...; cch=...;"): it is for Anthropic's billing, says
+# nothing to the model, and would make every request's prompt differ from its first tokens, so
+# no cached prefix would ever be reused. It is left out of the prompt.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def system_text(blocks: list[TextBlock]) -> str:
+    """The system blocks as one text, without Claude Code's billing-header lines."""
+    text = joined(blocks)
+    if BILLING_HEADER not in text:
+        return text
+    return "\n".join(line for line in text.split("\n")
+                     if not line.lstrip().startswith(BILLING_HEADER)).strip("\n")
+
+
+def parse_messages(body: dict[str, Any], count: bool = False) -> MessagesRequest:
+    """A request body (see `schemas.MessagesBody`; `CountTokensBody` for count_tokens) ->
+    the request; a mistake is a 400."""
+    b = validated(CountTokensBody if count else MessagesBody, body)
     tools = b.openai_tools()
     return MessagesRequest(messages=b.messages, max_tokens=b.max_tokens, model=b.model,
-                           system=None if b.system is None else joined(b.system),
+                           system=None if b.system is None else system_text(b.system),
                            stream=b.stream, tools=tools, tool_choice=b.tool_choice_for(tools),
                            options=b.options())
 
@@ -99,6 +130,10 @@ def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], str]:
     prefill = ""
     last = len(req.messages) - 1
     for i, m in enumerate(req.messages):
+        if m.role == "system":  # mid-conversation system: in place
+            out.append({"role": "system", "content": system_text(
+                [b for b in m.content if b["type"] == "text"])})  # type: ignore[misc]
+            continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         for block in m.content:
@@ -108,7 +143,7 @@ def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], str]:
                 text = joined(block.get("content", []))
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                             "content": f"Error: {text}" if block.get("is_error") else text})
-            else:  # tool_use
+            elif block["type"] == "tool_use":
                 calls.append({"id": block["id"], "type": "function", "function": {
                     "name": block["name"],
                     "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
@@ -235,8 +270,25 @@ class Answer:
 
 
 def _usage(run: ChatRun, final: Delta | None) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are the prompt tokens computed afresh, and
+    cache_read_input_tokens those reused from the prefix cache (their sum is the prompt)."""
     done = final.usage.completion_tokens if final is not None and final.usage else 0
-    return {"input_tokens": run.prompt_tokens, "output_tokens": done}
+    reused = final.usage.reused_tokens if final is not None and final.usage \
+        else run.session.reused
+    return {"input_tokens": run.prompt_tokens - reused, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": reused, "output_tokens": done}
+
+
+async def count_tokens(state: AppState, req: MessagesRequest) -> Response:
+    """POST /v1/messages/count_tokens: the prompt's tokens as /v1/messages would render it
+    (system, tools and the tool-call syntax included)."""
+    engine = state.ready_engine()
+    msgs, prefill = chat_messages(req)
+    try:
+        ids = await asyncio.to_thread(chat_prompt, state, engine, msgs, req.tools, prefill)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    return Response(dumps({"input_tokens": len(ids)}), content_type="application/json")
 
 
 async def messages(state: AppState, req: MessagesRequest) -> Response:
@@ -287,14 +339,23 @@ def _apply(events: list[tuple[str, dict[str, Any]]], content: list[dict[str, Any
 async def _events(state: AppState, run: ChatRun, msg_id: str,
                   model: str) -> AsyncIterator[bytes]:
     answer = Answer(run)
-    yield sse("message_start", {"type": "message_start", "message": {
-        "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0}}})
+    started = False
+
+    def start() -> bytes:
+        """message_start, sent with the first token (or keepalive), once the slot has said
+        how much of the prompt it found cached."""
+        return sse("message_start", {"type": "message_start", "message": {
+            "id": msg_id, "type": "message", "role": "assistant", "model": model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {**_usage(run, None), "output_tokens": 0}}})
+
     final: Delta | None = None
     async with contextlib.aclosing(with_keepalive(run.stream,
                                                   state.settings.keepalive_interval)) as items:
         async for d in items:
+            if not started:
+                started = True
+                yield start()
             if d is None:
                 yield PING
                 continue
@@ -303,6 +364,8 @@ async def _events(state: AppState, run: ChatRun, msg_id: str,
                 break
             for kind, ev in answer.feed(d.text):
                 yield sse(kind, ev)
+    if not started:
+        yield start()
     if final is None or final.finish_reason not in ("stop", "length"):
         err = engine_failure(final or Delta(finish_reason="error", error="stream ended early"))
         yield sse("error", error_payload(err.status, err.message))
@@ -310,7 +373,8 @@ async def _events(state: AppState, run: ChatRun, msg_id: str,
     for kind, ev in answer.finish():
         yield sse(kind, ev)
     reason, sequence = answer.stop(final)
+    usage = _usage(run, final)
     yield sse("message_delta", {"type": "message_delta",
                                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                "usage": {"output_tokens": _usage(run, final)["output_tokens"]}})
+                                "usage": usage})
     yield sse("message_stop", {"type": "message_stop"})

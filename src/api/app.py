@@ -36,7 +36,7 @@ from slotserve.engine import EngineConfig
 
 log = structlog.get_logger("slotserve.api")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
 
 
 DRAIN_SECONDS = 10.0  # how long a refused upload may take to finish before we answer anyway
@@ -91,30 +91,37 @@ def create_app(engine_config: EngineConfig | None = None,
     async def authenticate() -> Response | None:
         g.started = time.perf_counter()
         g.api_key = None  # index of the caller's key in settings.api_keys
+        if request.method == "OPTIONS":  # a browser's CORS preflight carries no key
+            return preflight()
         keys = settings.api_keys
         if not keys or request.path in OPEN_PATHS:
             return None
-        # constant time whatever is sent (see slotserve.api.keys); never logged or echoed
+        # constant time whatever is sent (see slotserve.api.keys); never logged or echoed.
+        # Every route takes either header: OpenAI clients send a Bearer token, Anthropic
+        # ones x-api-key, and agents reach routes of both kinds.
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         g.api_key = keys.match(token.strip()) if scheme.lower() == "bearer" else None
+        if g.api_key is None and "x-api-key" in request.headers:
+            g.api_key = keys.match(request.headers.get("x-api-key", "").strip())
         if g.api_key is not None:
             return None
-        if anthropic.is_anthropic_path(request.path):  # Anthropic clients send x-api-key
-            g.api_key = keys.match(request.headers.get("x-api-key", "").strip())
-            if g.api_key is not None:
-                return None
+        hint = "send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+        if anthropic.is_anthropic_path(request.path):
             return unread_body_refusal(anthropic.error_response(
-                401, "invalid or missing API key (send 'x-api-key: <key>')"))
+                401, f"invalid or missing API key ({hint})"))
         return unread_body_refusal(json_response(
-            error_body("invalid or missing API key (send 'Authorization: Bearer <key>')",
-                       code="invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"}))
+            error_body(f"invalid or missing API key ({hint})", code="invalid_api_key"), 401,
+            {"WWW-Authenticate": "Bearer"}))
 
     @app.after_request
     async def log_request(response: Response) -> Response:
+        """One access-log line per request (streams: when the headers go out), and the CORS
+        header that lets a browser page read the answer."""
         started = g.get("started")
         ms = None if started is None else round((time.perf_counter() - started) * 1000, 1)
         log.info("request", method=request.method, path=request.path,
                  status=response.status_code, ms=ms)
+        response.headers.setdefault("Access-Control-Allow-Origin", "*")
         return response
 
     # ---- errors ------------------------------------------------------------------------
@@ -177,6 +184,22 @@ def create_app(engine_config: EngineConfig | None = None,
         check_model(req.model)
         return await anthropic.messages(state, req)
 
+    @app.post(anthropic.PATH + "/count_tokens")
+    async def count_tokens() -> Response:
+        req = anthropic.parse_messages(await body(), count=True)
+        check_model(req.model)
+        return await anthropic.count_tokens(state, req)
+
+    @app.route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        """What is served here (Claude Code checks the base URL with HEAD /)."""
+        return json_response({"name": "slotserve", "model": state.model_id,
+                              "status": state.status,
+                              "routes": ["/v1/chat/completions", "/v1/completions",
+                                         "/v1/responses", "/v1/messages",
+                                         "/v1/messages/count_tokens", "/v1/models",
+                                         "/health", "/metrics", "/openapi.json"]})
+
     @app.post(responses_api.PATH)
     async def responses() -> Response:
         req = parse_responses(await body())
@@ -221,6 +244,19 @@ def create_app(engine_config: EngineConfig | None = None,
                               "status": state.status})
 
     return app
+
+
+CORS_METHODS = "GET, POST, HEAD, OPTIONS"
+
+
+def preflight() -> Response:
+    """The answer to a CORS preflight (OPTIONS) on any path: any origin, the methods served,
+    and whatever request headers the browser asks to send (an API key among them)."""
+    asked = request.headers.get("Access-Control-Request-Headers",
+                                "authorization, content-type, x-api-key")
+    return Response("", status=204, headers={
+        "Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": CORS_METHODS,
+        "Access-Control-Allow-Headers": asked, "Access-Control-Max-Age": "86400"})
 
 
 def unread_body_refusal(response: Response) -> Response:

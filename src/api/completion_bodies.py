@@ -3,6 +3,7 @@ engine output (the Responses API is `responses_api`)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,6 +65,18 @@ class LogprobFormatter:
                 "text_offset": offsets}
 
 
+def system_fingerprint(model: str) -> str:
+    """OpenAI's `system_fingerprint`: what answers with the same seed share, here the served
+    model and the slotserve version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("slotserve")
+    except PackageNotFoundError:
+        release = "dev"
+    return "fp_" + hashlib.sha256(f"{model}|{release}".encode()).hexdigest()[:10]
+
+
 @dataclass
 class ResponseIds:
     """What every chunk of one response repeats."""
@@ -71,32 +84,37 @@ class ResponseIds:
     model: str
     prefix: str = "chatcmpl"
     id: str = ""
+    fingerprint: str = field(default="", init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.fingerprint = system_fingerprint(self.model)
 
     def chat(self, choice: dict[str, Any], usage: Usage | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": usage_dict(usage)}
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice],
+                "usage": usage_dict(usage)}
 
     def chat_chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": None if logprobs is None else {"content": logprobs}}
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [choice]}
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice]}
 
     def completion(self, choice: dict[str, Any], usage: Usage | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": usage_dict(usage)}
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice],
+                "usage": usage_dict(usage)}
 
     def completion_chunk(self, text: str, finish_reason: str | None = None,
                          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice]}
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice]}
 
     def usage_chunk(self, usage: Usage | None, object: str) -> dict[str, Any]:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage_dict(usage)}
+                "system_fingerprint": self.fingerprint, "choices": [],
+                "usage": usage_dict(usage)}

@@ -509,7 +509,7 @@ async def completion(state: AppState, req: CompletionRequest) -> Response:
         if bad is not None:
             raise out_of_vocabulary("prompt", bad, tok.vocab_size)
         ids = list(req.prompt)
-    options = await compile_grammar(engine, req.options)
+    options = await compile_grammar(engine, clamp_max_tokens(engine, ids, req.options))
     session = submit(state, engine, ids, options, "prompt")
     stream = open_stream(state, engine, session)
     fmt = LogprobFormatter(tok)

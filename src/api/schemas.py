@@ -813,8 +813,19 @@ class ToolResultBlock(TypedDict):
     is_error: NotRequired[Annotated[Any, WithJsonSchema({"type": "boolean"})]]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
-_BLOCKS_OF = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+@with_config(_ELEMENT)
+class ThinkingBlock(TypedDict):
+    """Reasoning an assistant turn showed (thinking) or hid (redacted_thinking): sent back by
+    clients with the history, and not part of the prompt (templates drop past reasoning)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                  Field(discriminator="type")]
+_BLOCKS_OF = {"user": ("text", "tool_result"),
+              "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+              "system": ("text",)}
 
 
 def _as_blocks(value: Any) -> Any:
@@ -827,7 +838,9 @@ def _as_blocks(value: Any) -> Any:
 
 
 class AnthropicMessage(Wire):
-    role: Literal["user", "assistant"]
+    # "system": a system message inside the conversation (Claude Code's beta
+    # mid-conversation-system), rendered in place
+    role: Literal["user", "assistant", "system"]
     content: Annotated[list[Block], BeforeValidator(
         _as_blocks, json_schema_input_type=str | list[Block])]
 
@@ -891,6 +904,19 @@ class MessagesBody(Wire):
     tools: Annotated[list[AnthropicTool], _known_tools(("custom",))] | None = None
     tool_choice: AnthropicToolChoice | None = None
     cache_salt: CacheSalt | None = None
+    # accepted and left to the model's template: extended thinking (no hidden channel here),
+    # server-side context editing, and output settings (effort); each ignored with a log line
+    thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _log_ignored(self) -> MessagesBody:
+        for key in ("thinking", "context_management", "output_config"):
+            value = getattr(self, key)
+            if value is not None:
+                log.info("request field ignored", field=key, value=short_repr(value))
+        return self
 
     @field_validator("tool_choice")
     @classmethod
@@ -930,6 +956,12 @@ class MessagesBody(Wire):
         if self.cache_salt is not None:
             opts["cache_salt"] = self.cache_salt
         return opts
+
+
+class CountTokensBody(MessagesBody):
+    """POST /v1/messages/count_tokens: a Messages body without max_tokens."""
+
+    max_tokens: PositiveInt | None = None  # type: ignore[assignment]
 
 
 # ---- the Responses API ---------------------------------------------------------------------

@@ -111,7 +111,7 @@ async def run_server(host: str, port: int, engine_config: EngineConfig,
     """The `slotserve serve` entry: configure logs, build the app, serve until a signal.
 
     `app_options`: create_app's keywords (keepalive_interval, max_body_bytes, model_id,
-    queue_timeout).
+    queue_timeout, strict_model_names).
     """
     configure_logging(log_format, log_level)
     app = create_app(engine_config, api_key, **app_options)
@@ -147,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
         asyncio.run(run_server(args.host, args.port, cfg, keys,
                                getattr(args, "log_format", "console"),
                                getattr(args, "log_level", "info"),
-                               queue_timeout=queue_timeout(getattr(args, "queue_timeout", None))))
+                               queue_timeout=queue_timeout(getattr(args, "queue_timeout", None)),
+                               strict_model_names=getattr(args, "strict_model_names", False)))
     except Exception as exc:  # no model, a failed engine, a taken port: exit 1, for a supervisor
         log.error("server stopped", error=f"{type(exc).__name__}: {exc}")
         return 1
@@ -174,8 +175,8 @@ def startup_banner(host: str, port: int, api_keys: APIKeys | str | None = None,
     base = f"http://{shown}:{port}"
     keys = as_api_keys(api_keys)
     auth = " \\\n       -H 'Authorization: Bearer <key>'" if keys else ""
-    access = (f"auth: {keys.describe()}; send one as <key> below (or as 'x-api-key: <key>' "
-              f"on /v1/messages)" if keys
+    access = (f"auth: {keys.describe()}; send one as <key> below (or as 'x-api-key: <key>')"
+              if keys
               else f"auth: {keys.describe()} (see --api-key-file or ${ENV})")
     name = f" serving {model}" if model else ""
     return (
