@@ -47,11 +47,13 @@ from slotserve.actors.messages import (
 from slotserve.actors.session import Session
 from slotserve.actors.slot import Slot
 from slotserve.model.chat_template import ChatTemplate
+from slotserve.model.families import family as model_family
 from slotserve.model.loader import LoadedModel, load
 from slotserve.runtime.grammar import Grammar, compile_response_format
 from slotserve.runtime.mlx_thread import MLXThread
 from slotserve.runtime.runner import ModelRunner
 from slotserve.runtime.sampling import SamplingParams
+from slotserve.runtime.warmup import warm_up
 
 log = structlog.get_logger("slotserve.engine")
 
@@ -85,6 +87,9 @@ class EngineConfig:
     # not built by Python every step. None: on for a GPU (it applies to the CUDA kernels'
     # steps only); SLOTSERVE_COMPILE=0 turns it off
     compile_decode: bool | None = None
+    # run a few steps of every kind at start-up (runtime.warmup), so the first requests do
+    # not wait for kernel compiles. None: on for a GPU (the CPU compiles nothing at run time)
+    warm_up: bool | None = None
     # serve even when the start-up probe finds that a CPU step's rows depend on their batch
     # (only the MLX-ops fallback, without the native kernels, can fail it): outputs then
     # differ between alone and batched. Off: such an engine refuses to start.
@@ -185,7 +190,9 @@ class Engine:
                 + ". Build slotserve's native kernels (a C compiler: `make setup` installs one;"
                 " unset SLOTSERVE_NATIVE=0), or pass --allow-batch-variance to serve outputs"
                 " that differ between alone and batched.")
-        self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
+        family = model_family(lm.config.family)
+        self.template = ChatTemplate.for_tokenizer(lm.tokenizer, family.name,
+                                                   family.template_markers)
         speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
         compiled = (lm.device == "gpu" and settings.current().compile
                     if cfg.compile_decode is None else cfg.compile_decode)
@@ -197,6 +204,9 @@ class Engine:
                      else "compiled steps round differently here: plain forward only")
             if not same:
                 runner.compiled = None
+        if lm.device == "gpu" if cfg.warm_up is None else cfg.warm_up:
+            # compile the kernels (and decode traces) steps use now, not on live traffic
+            await self.mlx.run(lambda: warm_up(runner, lm.model, cfg.max_slots))
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             self.slots.append(Slot(i, lm.model.new_kv(), self.batcher))

@@ -10,11 +10,12 @@ from typing import Any
 
 import anyio
 import pytest
+from converted import llama_cpp_tree
 from engine_harness import PROMPTS as ALL_PROMPTS
 from engine_harness import EngineHarness, alternating_options
 
 from slotserve.kernels.attention import BLOCK
-from slotserve.tools.synth import write_smollm2_tokenizer
+from slotserve.tools.synth import write_gemma4_tokenizer
 
 PROMPTS = ALL_PROMPTS[:4]
 S, F = "sliding_attention", "full_attention"
@@ -25,14 +26,19 @@ def options(i: int) -> dict[str, Any]:
     return {**alternating_options(i), "max_tokens": 16}
 
 
-def make_tiny_gemma4(path: Path, seed: int = 0) -> Path:
-    """A Gemma4ForCausalLM checkpoint of width 64 with SmolLM2's tokenizer (a real chat
-    template and stop tokens)."""
+def gemma4_template() -> str:
+    """Google's Gemma 4 chat template, as llama.cpp's source tree keeps it."""
+    return (llama_cpp_tree() / "models" / "templates" / "google-gemma-4-31B-it.jinja").read_text()
+
+
+def make_tiny_gemma4(path: Path, seed: int = 0, template: str | None = None) -> Path:
+    """A Gemma4ForCausalLM checkpoint of width 64 with SmolLM2's tokenizer plus Gemma 4's
+    control tokens and Google's Gemma 4 chat template (or `template`)."""
     import torch
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab = write_smollm2_tokenizer(path)
+    vocab = write_gemma4_tokenizer(path, gemma4_template() if template is None else template)
     cfg = transformers.Gemma4TextConfig(
         vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64,
         intermediate_size=96, num_hidden_layers=6, layer_types=[S, S, F] * 2,

@@ -53,6 +53,20 @@ DEFAULT_CHATML_TEMPLATE = r"""
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}"""
 
+# What a family's native template must render at load (ChatTemplate.require_native): a tool,
+# a call of it and its result, in OpenAI's message shapes.
+_TOOL_SPEC = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+_TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_0", "content": '{"celsius": 21}'},
+]
+
 # Templates that look at a part's "type" iterate content lists themselves; others get a string.
 _WANTS_PARTS = re.compile(r"""\[\s*['"]type['"]\s*\]|\.type\b""")
 
@@ -219,12 +233,39 @@ class ChatTemplate:
             raise TemplateError(f"chat template does not compile: {e}") from e
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate:
-        """Template of the model behind ``tokenizer``, or ChatML when it has none."""
+    def for_tokenizer(cls, tokenizer: Tokenizer, family: str = "",
+                      markers: Sequence[str] = ()) -> ChatTemplate:
+        """Template of the model behind ``tokenizer``, or ChatML when it has none.
+
+        ``markers``: control tokens the `family`'s own templates write (its turn and tool
+        tokens). With them, no ChatML fallback: a checkpoint without a template, or whose
+        template never writes them or fails on a conversation with tools and tool results,
+        is refused here, at load, rather than prompting its model in another format."""
         def text(i: int | None) -> str:
             return (tokenizer.id_to_token(i) or "") if i is not None else ""
 
-        return cls(tokenizer.chat_template, text(tokenizer.bos_id), text(tokenizer.eos_id))
+        template = cls(tokenizer.chat_template, text(tokenizer.bos_id), text(tokenizer.eos_id))
+        if markers:
+            template.require_native(family, markers)
+        return template
+
+    def require_native(self, family: str, markers: Sequence[str]) -> None:
+        """Raise TemplateError unless this is a `family` template: shipped with the model,
+        writing each of `markers`, rendering a tool call and its result."""
+        if self.is_default:
+            raise TemplateError(f"this {family} checkpoint ships no chat template (looked in "
+                                "tokenizer_config.json, chat_template.jinja/.json, GGUF "
+                                f"metadata); a {family} model needs its own, refusing to "
+                                "fall back to ChatML")
+        missing = [m for m in markers if m not in self.source]
+        if missing:
+            raise TemplateError(f"the chat template is not a {family} template: it never "
+                                f"writes {missing} (a {family} template writes {list(markers)})")
+        try:
+            self.render(_TOOL_CONVERSATION, _TOOL_SPEC)
+        except TemplateError as e:
+            raise TemplateError(f"the {family} chat template fails on a conversation with a "
+                                f"tool, a call and its result: {e}") from e
 
     def render(self, messages: Sequence[Mapping[str, Any]],
                tools: Sequence[Mapping[str, Any]] | None = None,

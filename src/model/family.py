@@ -48,3 +48,7 @@ class Family:
     sanitize: Callable[[dict[str, Tensor], ModelConfig], None] = _as_stored
     # export: the tensors slotserve holds, in Hugging Face's own names and layout
     hf_tensors: Callable[[dict[str, Any]], dict[str, Any]] = _unchanged
+    # control tokens every chat template of this family writes; non-empty: a checkpoint
+    # whose template lacks one, or that ships none, is refused at load (see
+    # chat_template.ChatTemplate.for_tokenizer) instead of prompting in another format
+    template_markers: tuple[str, ...] = ()

@@ -42,7 +42,8 @@ _PRE_SPLITS: dict[str, list[str]] = {
 _IGNORE_MERGES = {"llama-bpe", "llama3"}  # Llama 3 looks whole words up before merging
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
                       "<|endoftext|>", "<|eom_id|>", "<|END_OF_TURN_TOKEN|>",
-                      "<|end▁of▁sentence|>", "<eos>", "</s>")
+                      "<|end▁of▁sentence|>", "<eos>", "</s>",
+                      "<turn|>", "<|tool_response>")  # Gemma 4: a turn's end; its tool calls' end
 CONTROL, USER_DEFINED, UNUSED, BYTE = 3, 4, 5, 6  # tokenizer.ggml.token_type values
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _HOLE = "\ue000"  # stands for a stretch of user text while control tokens are found

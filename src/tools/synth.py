@@ -278,6 +278,53 @@ def write_smollm2_tokenizer(outdir: Path) -> int:
     return tok.vocab_size
 
 
+# Gemma 4's control tokens (bos/eos, turns, tools, thinking, media), as the synthetic Gemma 4
+# tokenizer adds them to SmolLM2's
+GEMMA4_TOKENS = ("<bos>", "<eos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",
+                 "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>",
+                 "<channel|>", "<|think|>", "<|image|>", "<|audio|>", "<|video|>")
+# A short template in Gemma 4's turn and tool-call format for synthetic checkpoints (a real
+# Gemma 4 checkpoint ships Google's, which slotserve renders as it is)
+GEMMA4_SYNTH_TEMPLATE = r"""{{- bos_token -}}
+{%- if tools or messages[0]['role'] == 'system' -%}
+{{- '<|turn>system\n' -}}
+{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] | trim }}{% endif -%}
+{%- for tool in tools or [] %}{{ '<|tool>' + (tool | tojson) + '<tool|>' }}{% endfor -%}
+{{- '<turn|>\n' -}}
+{%- endif -%}
+{%- for m in messages if m['role'] != 'system' -%}
+{%- if m['role'] == 'tool' -%}
+{{- '<|tool_response>' + m['content'] + '<tool_response|>' -}}
+{%- else -%}
+{{- '<|turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' -}}
+{{- m['content'] | trim -}}
+{%- for call in m.get('tool_calls') or [] -%}
+{{- '<|tool_call>call:' + call['function']['name'] + (call['function']['arguments'] | tojson)
+    + '<tool_call|>' -}}
+{%- endfor -%}
+{{- '<turn|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif -%}"""
+
+
+def write_gemma4_tokenizer(outdir: Path, template: str = GEMMA4_SYNTH_TEMPLATE) -> int:
+    """SmolLM2's tokenizer plus Gemma 4's control tokens, with a Gemma 4 chat template (the
+    gemma4 family refuses any other); returns its vocab size."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    write_smollm2_tokenizer(outdir)
+    tok = HFTokenizer.from_file(str(outdir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in GEMMA4_TOKENS])
+    tok.save(str(outdir / "tokenizer.json"))
+    cfg = {"chat_template": template, "bos_token": "<bos>", "eos_token": "<turn|>",
+           "add_bos_token": False}
+    (outdir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tok.get_vocab_size(True)
+
+
 def synth(preset: str, outdir: str | Path, fmt: str = "mlx4", layers: int | None = None,
           seed: int = 0, tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
     """Write a random-weight checkpoint of `preset` to `outdir`; returns a summary."""

@@ -35,6 +35,9 @@ from slotserve.model.weights import Tensor
 NOT_TEXT = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
             "model.embed_audio.")
 
+# what every Gemma 4 chat template writes: its turns, and its tool calls and results
+TEMPLATE_MARKERS = ("<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|tool_response>")
+
 
 @dataclass
 class Config(ModelConfig):
@@ -399,4 +402,5 @@ FAMILY = Family(
     hf_model_type="gemma4_text",
     gguf_architecture="gemma4",
     sanitize=text_decoder,
+    template_markers=TEMPLATE_MARKERS,
 )
