@@ -61,6 +61,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from slotserve.router.server import main as route_main
+
+    return route_main(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from slotserve.tools.bench import main as bench_main
 
@@ -138,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-batch-variance", action="store_true",
                    help="serve even if the start-up probe finds outputs depend on the batch")
     s.set_defaults(fn=cmd_serve)
+
+    r = sub.add_parser("route", help="prefix-aware router in front of slotserve replicas")
+    from slotserve.router.options import add_arguments as route_arguments
+
+    route_arguments(r)
+    r.set_defaults(fn=cmd_route)
 
     b = sub.add_parser("bench", help="in-process throughput/latency benchmark")
     b.add_argument("--model", default=None)

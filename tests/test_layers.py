@@ -2,7 +2,7 @@
 module imports on its own (in a fresh interpreter, nothing imported before it).
 
 Layers, lowest first (docs/architecture.md has the module table):
-settings, logs, blas, kernels < model < runtime < actors < engine < api < tools, cli.
+settings, logs, blas, kernels < model < runtime < actors < engine < api, router < tools, cli.
 Every import counts, also one inside a function or under TYPE_CHECKING: a lazy import
 is still an arrow between the modules.
 """
@@ -25,7 +25,7 @@ LAYERS = [
     ("slotserve.runtime",),
     ("slotserve.actors",),
     ("slotserve.engine",),
-    ("slotserve.api",),
+    ("slotserve.api", "slotserve.router"),
     ("slotserve.tools", "slotserve.cli"),
 ]
 

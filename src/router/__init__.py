@@ -1,0 +1,1 @@
+"""Several slotserve replicas behind one prefix-aware router (`slotserve route`)."""
