@@ -53,6 +53,7 @@ from slotserve.runtime.grammar import Grammar, compile_response_format
 from slotserve.runtime.mlx_thread import MLXThread
 from slotserve.runtime.runner import ModelRunner
 from slotserve.runtime.sampling import SamplingParams
+from slotserve.runtime.warmup import warm_up
 
 log = structlog.get_logger("slotserve.engine")
 
@@ -86,6 +87,9 @@ class EngineConfig:
     # not built by Python every step. None: on for a GPU (it applies to the CUDA kernels'
     # steps only); SLOTSERVE_COMPILE=0 turns it off
     compile_decode: bool | None = None
+    # run a few steps of every kind at start-up (runtime.warmup), so the first requests do
+    # not wait for kernel compiles. None: on for a GPU (the CPU compiles nothing at run time)
+    warm_up: bool | None = None
     # serve even when the start-up probe finds that a CPU step's rows depend on their batch
     # (only the MLX-ops fallback, without the native kernels, can fail it): outputs then
     # differ between alone and batched. Off: such an engine refuses to start.
@@ -200,6 +204,9 @@ class Engine:
                      else "compiled steps round differently here: plain forward only")
             if not same:
                 runner.compiled = None
+        if lm.device == "gpu" if cfg.warm_up is None else cfg.warm_up:
+            # compile the kernels (and decode traces) steps use now, not on live traffic
+            await self.mlx.run(lambda: warm_up(runner, lm.model, cfg.max_slots))
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             self.slots.append(Slot(i, lm.model.new_kv(), self.batcher))
