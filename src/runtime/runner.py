@@ -93,6 +93,10 @@ class ModelRunner:
         if self.compiled is not None:
             self.compiled.clear()
 
+    def forget_speculation(self) -> None:
+        """Drop the queued next step (its rows' KV is going away: the start-up warm-up)."""
+        self._spec = None
+
     def _forward(self, parts: list[tuple[SlotKV, int, int, bool]], tokens_in: mx.array,
                  reserve: bool = True) -> tuple[mx.array | None, list[mx.array]]:
         """Queue the forward of (kv, start, length, sample) parts fed `tokens_in`; logits

@@ -1,0 +1,56 @@
+"""The start-up warm-up (runtime.warmup) on the real SmolLM2: it runs every kind of step,
+gives its pages back, and leaves nothing that changes the next request's tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from slotserve.runtime.runner import ModelRunner, RowWork
+from slotserve.runtime.sampling import RowState, SamplingParams
+from slotserve.runtime.warmup import DECODE_ROWS, DECODE_STEPS, warm_up
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    from slotserve.model.loader import load
+
+    return load(None, device="cpu", with_tokenizer=False, probe_rows=None).model
+
+
+def _tokens(runner: ModelRunner, model: Any) -> list[int]:
+    """A seeded top_p request's first six tokens (prefill, then decode steps)."""
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    prompt = [1, 5, 9, 200, 31, 77, 4]
+    kv, state = model.new_kv(), RowState(p, prompt)
+    feed, start, out = prompt, 0, []
+    try:
+        for _ in range(6):
+            res = runner.step([RowWork(0, kv, start, feed, True, p, state,
+                                       state.num_generated)])
+            token = res.sampled[0].token
+            state.observe(token)
+            start += len(feed)
+            feed = [token]
+            out.append(token)
+    finally:
+        kv.release()
+    return out
+
+
+def test_warm_up_leaves_nothing_behind(model: Any) -> None:
+    """Pipelined, as on a GPU: the device sampler, and a speculation it must drop."""
+    before = _tokens(ModelRunner(model), model)
+    runner = ModelRunner(model, speculate=True)
+    info = warm_up(runner, model, max_rows=8)
+    assert info["steps"] == 2 + len(DECODE_ROWS) * (1 + DECODE_STEPS)
+    pool = model.kv_pool
+    assert pool.free_count == pool.ids  # every page it took is back
+    assert runner._spec is None  # no queued step on released KV
+    assert _tokens(runner, model) == before
+
+
+def test_warm_up_respects_the_slot_count(model: Any) -> None:
+    info = warm_up(ModelRunner(model), model, max_rows=2)
+    assert info["steps"] == 2 + 2 * (1 + DECODE_STEPS)
