@@ -47,6 +47,7 @@ from slotserve.actors.messages import (
 from slotserve.actors.session import Session
 from slotserve.actors.slot import Slot
 from slotserve.model.chat_template import ChatTemplate
+from slotserve.model.families import family as model_family
 from slotserve.model.loader import LoadedModel, load
 from slotserve.runtime.grammar import Grammar, compile_response_format
 from slotserve.runtime.mlx_thread import MLXThread
@@ -189,7 +190,9 @@ class Engine:
                 + ". Build slotserve's native kernels (a C compiler: `make setup` installs one;"
                 " unset SLOTSERVE_NATIVE=0), or pass --allow-batch-variance to serve outputs"
                 " that differ between alone and batched.")
-        self.template = ChatTemplate.for_tokenizer(lm.tokenizer)
+        family = model_family(lm.config.family)
+        self.template = ChatTemplate.for_tokenizer(lm.tokenizer, family.name,
+                                                   family.template_markers)
         speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
         compiled = (lm.device == "gpu" and settings.current().compile
                     if cfg.compile_decode is None else cfg.compile_decode)
