@@ -1,0 +1,122 @@
+"""The Gated DeltaNet hybrid (tiny synthetic Qwen3.5-MoE, MLX 4-bit) on the GPU: bfloat16
+compute, the DeltaNet's plain MLX ops on the device, under the standing rules (skipped
+where MLX has no GPU, e.g. CI): a row's bits do not depend on its batch or on how its
+prompt was chunked at aligned positions, and a continuation from a state snapshot gives
+the tokens of the same prompt prefilled cold.
+
+    python -m pytest -q -m gpu tests/test_gpu_hybrid.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import pytest
+from engine_harness import PROMPTS, EngineHarness
+from engine_harness import alternating_options as options
+from test_hybrid_engine import LONG
+
+from slotserve.kernels.attention import BLOCK
+from slotserve.model.layers import Batch
+from slotserve.tools.synth import synth
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not mx.is_available(mx.gpu), reason="needs MLX with a GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = Path(tmp_path_factory.mktemp("tiny-qwen3.5-moe"))
+    synth("tiny-qwen3.5-moe", path, "mlx4")
+    h = EngineHarness(path, device="gpu", max_slots=8, max_queue=32, prefill_budget=48)
+    yield h
+    h.close()
+
+
+def test_runs_on_gpu(harness: EngineHarness) -> None:
+    loaded = harness.engine.loaded
+    assert loaded is not None and loaded.device == "gpu"
+    assert loaded.config.family == "qwen3_5_moe" and loaded.model.dtype == mx.bfloat16
+
+
+def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -> None:
+    model = harness.engine.loaded.model
+    prompt = [int(t) % 4000 + 10 for t in range(7, 7 + 150 * 13, 13)]
+
+    def logits(cuts: list[int]) -> mx.array:
+        kv, start, out = model.new_kv(), 0, None
+        for end in [*cuts, len(prompt)]:
+            out = model(mx.array(prompt[start:end]), Batch.build([(kv, start, end - start)]),
+                        [end - start - 1])
+            start = end
+        return out[0]
+
+    def run() -> tuple[list[bool], list[bool]]:  # on the MLX thread, which owns the arrays
+        whole = logits([])
+        split = [logits(c) for c in ([64], [32, 96, 128])]
+        # four sequences' rows in one step vs each alone
+        kvs = [model.new_kv() for _ in range(4)]
+        for kv, n in zip(kvs[2:], (37, 130), strict=True):
+            model(mx.array(prompt[:n]), Batch.build([(kv, 0, n)]), [n - 1])
+        feeds = [(prompt[:64], 0), (prompt[:100], 0), ([9], 37), ([11], 130)]
+        alone = [model(mx.array(t), Batch.build([(kv, s, len(t))]), [len(t) - 1])[0]
+                 for kv, (t, s) in zip(kvs, feeds, strict=True)]
+        parts = [(kv, s, len(t)) for kv, (t, s) in zip(kvs, feeds, strict=True)]
+        ends = [63, 163, 164, 165]
+        together = model(mx.array([x for t, _ in feeds for x in t]), Batch.build(parts), ends)
+        return ([bool(mx.array_equal(s, whole)) for s in split],
+                [bool(mx.array_equal(together[i], alone[i])) for i in range(4)])
+
+    chunked, batched = harness.call(lambda: harness.engine.mlx.run(run))
+    assert all(chunked), chunked
+    assert all(batched), batched
+
+
+def test_batch_invariance(harness: EngineHarness) -> None:
+    engine = harness.engine
+
+    def ids(i: int) -> list[int]:
+        return engine.render_chat([{"role": "user", "content": PROMPTS[i]}])
+
+    solo = []
+    for i in range(len(PROMPTS)):
+        engine.drop_retained()
+        solo.append(harness.call(lambda i=i: engine.complete(ids(i), **options(i))))
+
+    async def together() -> dict[int, Any]:
+        out: dict[int, Any] = {}
+
+        async def one(i: int, delay: float) -> None:
+            await anyio.sleep(delay)
+            out[i] = await engine.complete(ids(i), **options(i))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i, 0.02 * i)
+        return out
+
+    engine.drop_retained()
+    for i, c in harness.call(together).items():
+        assert c.token_ids == solo[i].token_ids, f"prompt {i} differs in a batch"
+
+
+def test_continuation_from_a_snapshot_equals_cold(harness: EngineHarness) -> None:
+    engine = harness.engine
+    engine.drop_retained()
+    first = [{"role": "user", "content": LONG}]
+    turn1 = harness.call(lambda: engine.complete(engine.render_chat(first), max_tokens=8,
+                                                 temperature=0.0, ignore_eos=True))
+    prompt = engine.render_chat([*first, {"role": "assistant", "content": turn1.text},
+                                 {"role": "user", "content": "And the stones?"}])
+    warm = harness.call(lambda: engine.complete(prompt, max_tokens=16, temperature=0.0,
+                                                ignore_eos=True))
+    assert warm.usage.reused_tokens >= 2 * BLOCK
+    engine.drop_retained()
+    cold = harness.call(lambda: engine.complete(prompt, max_tokens=16, temperature=0.0,
+                                                ignore_eos=True))
+    assert cold.usage.reused_tokens == 0 and warm.token_ids == cold.token_ids
