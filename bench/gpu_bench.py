@@ -14,6 +14,9 @@ Sections:
 - `runner`: the same decode steps through the model directly (no engine), split into
   graph-building time (Python) and total step time.
 - `ttft`: time to first token of a 1k-token prompt (cold) through the engine.
+- `cold_start` (`--cold`): the first `--cold-streams` batch right after start-up, then the
+  same batch twice more (warm): wall time, TTFT, decode traces made, slowest steps, and
+  cold / warm (issue 18: <= 1.5x). `--no-warm-up` starts the engine without its warm-up.
 - `sampling` (`--sampling`): `slotserve bench --sampling`'s table: at each of
   `--sampling-streams`, greedy, temperature 0.7 + top_p 0.9 and temperature 0.7 + top_k 40
   on the same prompts, decode tok/s and the ratio to greedy (issue 18: >= 0.9x).
@@ -500,6 +503,28 @@ async def engine_invariance(engine: Engine, n: int = 8, max_tokens: int = 16) ->
             "sample_tokens": solo[0].token_ids[:8]}
 
 
+async def cold_start(engine: Engine, n: int, prompt_tokens: int,
+                     new_tokens: int) -> dict[str, Any]:
+    """The first n-stream batch after start-up, then the same batch (same prompts, nothing
+    retained) twice more: what the first requests wait for that later ones do not."""
+    assert engine.batcher is not None
+    stats, compiled = engine.batcher.stats, engine.batcher.runner.compiled
+    out: dict[str, Any] = {}
+    for label in ("cold", "warm", "warm_again"):
+        engine.drop_retained()
+        traced, since = compiled.traced if compiled else 0, len(stats.recent)
+        r = await run_streams(engine, n, prompt_tokens, new_tokens, offset=700)
+        slowest = sorted(stats.recent[since:], key=lambda s: -s[1])[:5]
+        r["steps"] = len(stats.recent) - since
+        r["traced"] = compiled.traced - traced if compiled else 0
+        r["slowest_steps"] = [{"rows": rows, "ms": round(sec * 1000, 1)}
+                              for rows, sec, _ in slowest]
+        out[label] = r
+        emit({"cold_start": label, **r})
+    out["cold_vs_warm"] = round(out["cold"]["wall_s"] / out["warm"]["wall_s"], 2)
+    return out
+
+
 async def ttft(engine: Engine, tokens: int, reps: int = 3) -> dict[str, Any]:
     ids = prompt_ids(engine, 999, tokens)[:tokens]
     times = []
@@ -542,10 +567,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     streams = [int(x) for x in args.streams.split(",") if x]
     sampled = [int(x) for x in args.sampling_streams.split(",") if x] if args.sampling else []
-    slots = max(streams + sampled + [8])
+    slots = max(streams + sampled + [8, args.cold_streams if args.cold else 1])
     t0 = time.perf_counter()
     engine = Engine.load(args.model, device=args.device, max_slots=slots,
-                         max_queue=4 * slots, prefill_budget=args.prefill_budget)
+                         max_queue=4 * slots, prefill_budget=args.prefill_budget,
+                         warm_up=False if args.no_warm_up else None)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
                               "model": str(args.model), "python": platform.python_version(),
                               "mlx": mx.__version__, "args": vars(args)}
@@ -554,6 +580,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         assert lm is not None and engine.mlx is not None
         model = lm.model
         report["load_s"] = round(time.perf_counter() - t0, 2)
+        if args.cold:  # before anything else runs a step
+            report["cold_start"] = await cold_start(engine, args.cold_streams,
+                                                    args.prompt_tokens, args.new_tokens)
+            emit({"cold_vs_warm": report["cold_start"]["cold_vs_warm"]})
         report["device"] = lm.device
         report["family"] = lm.config.family
         dense, experts = engine.mlx.call(lambda: _weights(model))
@@ -621,6 +651,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-tokens", type=int, default=1024)
     p.add_argument("--prefill-budget", type=int, default=1024)
     p.add_argument("--skip-invariance", action="store_true")
+    p.add_argument("--cold", action="store_true",
+                   help="first: the first batch after start-up against the same batch warm")
+    p.add_argument("--cold-streams", type=int, default=8)
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="start the engine without its start-up warm-up (runtime.warmup)")
     p.add_argument("--sampling", action="store_true",
                    help="the sampled-decoding table (greedy, top_p, top_k) before the sweep; "
                         "--streams '' skips the sweep")
