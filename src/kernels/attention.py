@@ -104,12 +104,14 @@ def block_matmul(a: mx.array, pool: mx.array, blocks: mx.array, a_index: mx.arra
 
 
 def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
-                      bias: mx.array, scale: float) -> mx.array:
+                      bias: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
     """Attention for M query rows per (slot, kv head), reading K/V in place from the pool.
 
     qh: [S, Hkv, M, D]; keys/values: [B, BLOCK, D] pool blocks; blocks: [S, nb, Hkv]
     index of the block holding positions j*BLOCK.. of each slot and kv head;
-    bias: [S, M, nb * BLOCK] additive mask. Returns [S, Hkv, M, D].
+    bias: [S, M, nb * BLOCK] additive mask; sinks: [Hkv, M] float32 attention-sink logits
+    of each row's head (gpt-oss), one more logit in the softmax that weights no value.
+    Returns [S, Hkv, M, D].
     """
     s_, hkv, m, d = qh.shape
     nb = blocks.shape[1]
@@ -128,9 +130,16 @@ def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx
     scores = scores.astype(mx.float32) + bias[:, None]
     # weights under 2^-64 of the largest become exact zeros: far below float32 resolution
     # of the sum, and left alone they turn into subnormals, which are slow on CPU
-    shifted = scores - scores.max(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sinks = (sinks * LOG2E)[None, :, :, None]
+        top = mx.maximum(top, sinks)
+    shifted = scores - top
     probs = mx.power(2.0, mx.where(shifted > -64.0, shifted, -mx.inf))
     denom = probs.sum(axis=-1)  # [S, hkv, m]
+    if sinks is not None:
+        sink = sinks - top
+        denom = denom + mx.power(2.0, mx.where(sink > -64.0, sink, -mx.inf))[..., 0]
     pb = probs.astype(values.dtype).reshape(s_, hkv, m, nb, BLOCK).transpose(0, 3, 1, 2, 4)
     # P.V per key block (fixed reduction length BLOCK), blocks summed in order
     out = block_matmul(pb, values, blocks).sum(axis=1)  # [S, hkv, m, d]
@@ -138,19 +147,23 @@ def grouped_attention(qh: mx.array, keys: mx.array, values: mx.array, blocks: mx
 
 
 def decode_attention(q: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
-                     bias: mx.array, scale: float) -> mx.array:
-    """One decode token per slot. q: [S, Hq, D]; blocks [S, nb, Hkv]; bias [S, nb * BLOCK]."""
+                     bias: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+    """One decode token per slot. q: [S, Hq, D]; blocks [S, nb, Hkv]; bias [S, nb * BLOCK];
+    sinks [Hq] (see grouped_attention)."""
     s_, hq, d = q.shape
     hkv = blocks.shape[2]
     group = hq // hkv
     qh = q.reshape(s_, hkv, group, d)
-    out = grouped_attention(qh, keys, values, blocks, bias[:, None, :], scale)
+    row_sinks = None if sinks is None else sinks.reshape(hkv, group)
+    out = grouped_attention(qh, keys, values, blocks, bias[:, None, :], scale, row_sinks)
     return out.reshape(s_, hq, d)
 
 
 def segment_attention(q: mx.array, keys: mx.array, values: mx.array, blocks: mx.array,
-                      plan: AttentionPlan, scale: float, window: int | None = None) -> mx.array:
-    """One slot's T query tokens (positions plan.start..); blocks [1, plan.span // BLOCK, Hkv]."""
+                      plan: AttentionPlan, scale: float, window: int | None = None,
+                      sinks: mx.array | None = None) -> mx.array:
+    """One slot's T query tokens (positions plan.start..); blocks [1, plan.span // BLOCK, Hkv];
+    sinks [Hq] (see grouped_attention)."""
     t, hq, d = q.shape
     hkv = blocks.shape[2]
     group = hq // hkv
@@ -158,12 +171,15 @@ def segment_attention(q: mx.array, keys: mx.array, values: mx.array, blocks: mx.
     # rows token-major within each kv head: row = token * group + member
     qh = q.reshape(t, hkv, group, d).transpose(1, 0, 2, 3).reshape(1, hkv, t * group, d)
     bias = plan.row_bias(window, group)
-    out = grouped_attention(qh, keys, values, blocks, bias[None], scale)
+    row_sinks = None if sinks is None else mx.tile(sinks.reshape(hkv, 1, group),
+                                                   (1, t, 1)).reshape(hkv, t * group)
+    out = grouped_attention(qh, keys, values, blocks, bias[None], scale, row_sinks)
     return out.reshape(hkv, t, group, d).transpose(1, 0, 2, 3).reshape(t, hq, d)
 
 
 def reference_attention(q: mx.array, keys: mx.array, values: mx.array, start: int,
-                        scale: float, window: int | None = None) -> mx.array:
+                        scale: float, window: int | None = None,
+                        sinks: mx.array | None = None) -> mx.array:
     """Plain softmax attention (float32) used by tests as the numerical reference."""
     t, hq, d = q.shape
     hkv = keys.shape[0]
@@ -178,4 +194,8 @@ def reference_attention(q: mx.array, keys: mx.array, values: mx.array, start: in
     if window is not None:
         keep = keep & (kpos > qpos - window)
     s = mx.where(keep, s, -math.inf)
-    return (mx.softmax(s, axis=-1) @ v).transpose(1, 0, 2)
+    if sinks is None:
+        return (mx.softmax(s, axis=-1) @ v).transpose(1, 0, 2)
+    sink = mx.broadcast_to(sinks.astype(mx.float32)[:, None, None], (*s.shape[:2], 1))
+    probs = mx.softmax(mx.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    return (probs @ v).transpose(1, 0, 2)

@@ -35,11 +35,12 @@ class RowTables:
 
 def _run(lib: ctypes.CDLL, q: np.ndarray, q_stride: int, r: int, hq: int, hkv: int, d: int,
          keys: np.ndarray, values: np.ndarray, rows: RowTables, scale: float,
-         window: int | None) -> np.ndarray:
+         window: int | None, sinks: np.ndarray | None = None) -> np.ndarray:
     out = aligned_empty((r, hq * d))
     rc = lib.slot_attention(
         q.ctypes.data, q_stride, r, hq, hkv, d, ctypes.c_float(scale * LOG2E), window or 0,
-        keys.ctypes.data, values.ctypes.data, rows.tables.ctypes.data, rows.tables.shape[1],
+        None if sinks is None else sinks.ctypes.data, keys.ctypes.data, values.ctypes.data,
+        rows.tables.ctypes.data, rows.tables.shape[1],
         rows.row_table.ctypes.data, rows.row_pos.ctypes.data, out.ctypes.data,
     )
     if rc != 0:
@@ -58,12 +59,16 @@ def pool_host(keys: mx.array, values: mx.array) -> tuple[np.ndarray, np.ndarray]
 
 
 def attend(lib: ctypes.CDLL, q: mx.array, keys: mx.array, values: mx.array, rows: RowTables,
-           scale: float, window: int | None) -> mx.array:
-    """q: [R, Hq, D] float32; keys/values: the layer's pool arrays [blocks * BLOCK, D]."""
+           scale: float, window: int | None, sinks: np.ndarray | None = None) -> mx.array:
+    """q: [R, Hq, D] float32; keys/values: the layer's pool arrays [blocks * BLOCK, D];
+    sinks: [Hq] float32 attention-sink logits (gpt-oss), one more logit per head in the
+    softmax that weights no value."""
     r, hq, d = q.shape
     k_host, v_host = pool_host(keys, values)
+    log2_sinks = None if sinks is None else np.ascontiguousarray(sinks * np.float32(LOG2E),
+                                                                  dtype=np.float32)
     out = _run(lib, to_host(q.reshape(r, hq * d)), hq * d, r, hq, rows.tables.shape[2], d,
-               k_host, v_host, rows, scale, window)
+               k_host, v_host, rows, scale, window, log2_sinks)
     return mx.array(out).reshape(r, hq, d)
 
 

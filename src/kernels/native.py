@@ -41,7 +41,7 @@ _c_i64, _c_ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "slot_gemm": [_c_ptr, _c_i64, _c_i64, _c_ptr, ctypes.c_int, _c_i64, _c_ptr],
     "slot_attention": [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_i64,
-                       _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr],
+                       _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr],
     "slot_swiglu": [_c_ptr, _c_i64, _c_i64, _c_ptr],
     "slot_rms_norm": [_c_ptr, _c_i64, _c_i64, _c_ptr, ctypes.c_float, _c_ptr],
     "slot_rope": [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr],

@@ -91,7 +91,7 @@ def config_from_hf(cfg: dict[str, Any], family: ConfigFamily, source: str) -> Mo
         rope = None
     if rope and rope.get("rope_type", rope.get("type")) not in ("llama3", "linear",
                                                                  "proportional", "longrope",
-                                                                 "su"):
+                                                                 "su", "yarn"):
         raise UnsupportedModelError(f"{source}: unsupported rope_scaling {rope!r}")
     layers = cfg["num_hidden_layers"]
     kind = family.config

@@ -91,7 +91,8 @@ class PreNormBlock(Layer):
         a, m = self.attn, self.mlp
         if (type(self).__call__ is not PreNormBlock.__call__ or not isinstance(m, GatedMLP)
                 or m.backend is not Backend.CPU or a.backend is not Backend.CPU
-                or a.window is not None or a.qkv.bias is not None or a.o.bias is not None):
+                or a.window is not None or a.qkv.bias is not None or a.o.bias is not None
+                or a.sinks is not None):
             return None
         norms = [n for n in (self.in_norm, self.post_norm, a.q_norm, a.k_norm) if n is not None]
         rms = [n for n in norms if isinstance(n, RMSNorm)]

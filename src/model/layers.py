@@ -47,6 +47,7 @@ from slotserve.kernels.attention import (
     span_for,
 )
 from slotserve.kernels.cpu_attention import RopeTables, RowTables
+from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -568,6 +569,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, theta, factor, scaling)
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))
     old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
@@ -577,6 +580,46 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     out = mx.where(wavelen > old_ctx / low, inv / factor, inv)
     is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
     return mx.where(is_mid, mid, out)
+
+
+def yarn_inv_freq(head_dim: int, theta: float, factor: float,
+                  scaling: dict[str, Any]) -> mx.array:
+    """YaRN's inverse frequencies as HF computes them (gpt-oss): interpolated by `factor`
+    below the correction range of beta_fast/beta_slow rotations over the original
+    context, extrapolated (unscaled) above it, a linear ramp between."""
+    orig = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos = theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
+    ramp = mx.clip((mx.arange(head_dim // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The scale HF puts on cos and sin (YaRN's attention factor; 1 for the others)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind != "yarn" or scaling is None:
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 LONGROPE = ("longrope", "su")
@@ -646,6 +689,7 @@ class Rope(Layer):
             and scaling else None
         self.inv_freq = (self.long_rope.short if self.long_rope is not None
                          else rope_inv_freq(head_dim, theta, scaling))
+        self.attention_factor = rope_attention_factor(scaling)
         self.dtype = dtype
         self.size = 0
         self.cos = self.sin = mx.zeros((0,))
@@ -660,6 +704,8 @@ class Rope(Layer):
         cos, sin = mx.cos(emb), mx.sin(emb)
         if lr is not None:
             cos, sin = cos * lr.mscale, sin * lr.mscale
+        elif self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         self.cos, self.sin = cos.astype(self.dtype), sin.astype(self.dtype)
         mx.eval(self.cos, self.sin)
         self.size = size
@@ -698,13 +744,19 @@ class Attention(Layer):
     """Self-attention of one layer over a row batch: a fused QKV projection, optionally a
     norm of each q and k head, rotate-half RoPE, the K/V write into the pool, each row
     against its own slot's keys (causal; within `window` positions when given), and the
-    output projection; `biases` are the (q, k, v, o) projection biases, each optional."""
+    output projection; `biases` are the (q, k, v, o) projection biases, each optional;
+    `sinks` [heads] are attention-sink logits (gpt-oss: one more logit per head in the
+    softmax, weighting no value; CPU kernel and MLX ops)."""
+
+    sinks: mx.array | None = None  # [heads] float32, when the family has attention sinks
+    _host_sinks: np.ndarray | None = None  # the same for the CPU kernel
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dtype: mx.Dtype,
                  keep_quantized: bool, *, layer: int, heads: int, kv_heads: int,
                  head_dim: int, scale: float, rope: Rope, q_norm: Norm | None = None,
                  k_norm: Norm | None = None, window: int | None = None,
-                 biases: tuple[Tensor | None, ...] | None = None) -> None:
+                 biases: tuple[Tensor | None, ...] | None = None,
+                 sinks: Tensor | None = None) -> None:
         assert (q_norm is None) == (k_norm is None), "q and k heads are normed alike"
         q_bias, k_bias, v_bias, o_bias = biases or (None,) * 4
         self.qkv = Linear.fused([q, k, v], dtype, keep_quantized,
@@ -716,6 +768,14 @@ class Attention(Layer):
         self.backend = attention_backend(dtype, head_dim)
         self._attend = {Backend.CUDA: self._cuda_kernels, Backend.CPU: self._cpu_kernel,
                         Backend.MLX: self._mlx_ops}[self.backend]
+        if sinks is not None:
+            if self.backend is Backend.CUDA:
+                raise UnsupportedModelError(
+                    "attention sinks (gpt-oss) run on the CPU kernels and MLX ops, not on "
+                    "slotserve's CUDA attention kernel yet; set SLOTSERVE_CUDA_KERNELS=0")
+            assert isinstance(sinks, mx.array) and sinks.shape == (heads,), "one sink a head"
+            self.sinks = sinks.astype(mx.float32)
+            self._host_sinks = np.array(self.sinks)
 
     def __call__(self, x: mx.array, batch: Batch, residual: mx.array | None = None,
                  norm: Norm | None = None) -> mx.array:
@@ -778,7 +838,7 @@ class Attention(Layer):
         pool, lib = batch.pool, native.library()
         assert pool is not None and lib is not None and batch.native is not None
         out = cpu_attention.attend(lib, q, pool.keys[self.layer], pool.values[self.layer],
-                                   batch.native, self.scale, self.window)
+                                   batch.native, self.scale, self.window, self._host_sinks)
         return out.reshape(out.shape[0], -1)
 
     def _mlx_ops(self, qkv: mx.array, batch: Batch) -> mx.array:
@@ -791,11 +851,11 @@ class Attention(Layer):
         outs = []
         for group in batch.decode_groups:
             outs.append(decode_attention(q[group.rows], keys, values, group.blocks,
-                                         group.bias(self.window), self.scale))
+                                         group.bias(self.window), self.scale, self.sinks))
         for seg, blocks in batch.prefill:
             rows = slice(seg.row, seg.row + seg.length)
             outs.append(segment_attention(q[rows], keys, values, blocks, seg.attention_plan(),
-                                          self.scale, self.window))
+                                          self.scale, self.window, self.sinks))
         extra = q.shape[0] - batch.rows
         if extra:
             outs.append(mx.zeros((extra, *q.shape[1:]), dtype=q.dtype))

@@ -9,11 +9,15 @@ on the GPU padding rows go through the experts too and SwiGLU is one CUDA kernel
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from slotserve.kernels import cuda
 from slotserve.model.layers import Activation, Layer, Linear, Norm, normed, plus, silu
 from slotserve.model.weights import QuantizedWeight, Tensor
+
+Glu = Callable[[mx.array, mx.array], mx.array]  # (gate, up) -> the expert's hidden rows
 
 # From this many (row, expert) pairs, issuing them grouped by expert pays on CPU
 # (measured E=64, k=8, H=1024: 2.4x at 64 rows, 2.5x at 256; about even below 64 pairs).
@@ -21,11 +25,15 @@ GROUP_MIN_PAIRS = 64
 
 
 class ExpertProj(Layer):
-    """One projection of every expert of a layer, applied to (row, expert) pairs."""
+    """One projection of every expert of a layer, applied to (row, expert) pairs; `bias`
+    [E, out] adds each pair's expert's bias (gpt-oss)."""
 
-    def __init__(self, weight: Tensor, dtype: mx.Dtype, keep_quantized: bool) -> None:
+    def __init__(self, weight: Tensor, dtype: mx.Dtype, keep_quantized: bool,
+                 bias: Tensor | None = None) -> None:
         self.q: QuantizedWeight | None = None
         self.wt: mx.array | None = None
+        assert bias is None or isinstance(bias, mx.array), "biases are never quantized"
+        self.bias = None if bias is None else bias.astype(dtype)
         if keep_quantized and isinstance(weight, QuantizedWeight):
             self.q = weight
         else:
@@ -38,6 +46,10 @@ class ExpertProj(Layer):
 
     def __call__(self, x: mx.array, experts: mx.array, grouped: bool = False) -> mx.array:
         """x: [*B, 1, in] with B broadcasting against experts' shape -> [*B', 1, out]."""
+        y = self._product(x, experts, grouped)
+        return y if self.bias is None else y + self.bias[experts][..., None, :]
+
+    def _product(self, x: mx.array, experts: mx.array, grouped: bool) -> mx.array:
         if self.q is not None:
             q = self.q
             return mx.gather_qmm(
@@ -49,7 +61,8 @@ class ExpertProj(Layer):
 
     def arrays(self) -> list[mx.array]:
         q = self.q
-        return [q.weight, q.scales, q.biases] if q is not None else [self.wt]  # type: ignore[list-item]
+        out = [q.weight, q.scales, q.biases] if q is not None else [self.wt]
+        return out + ([] if self.bias is None else [self.bias])  # type: ignore[list-item]
 
 
 class SparseMoE(Layer):
@@ -64,14 +77,19 @@ class SparseMoE(Layer):
 
     def __init__(self, router: Tensor, gate_up: Tensor, down: Tensor, *, inter: int,
                  top_k: int, norm_topk: bool, dtype: mx.Dtype, keep_quantized: bool,
-                 act: Activation = silu) -> None:
+                 act: Activation = silu, glu: Glu | None = None,
+                 biases: tuple[Tensor | None, Tensor | None, Tensor | None] | None = None
+                 ) -> None:
         """gate_up [E, 2 * inter, H] (gate rows, then up rows), down [E, H, inter]; each
-        expert computes down(act(gate x) * up x) (act: silu, or Gemma 4's tanh GELU)."""
-        self.router = Linear(router, dtype, keep_quantized)
-        self.act = act
+        expert computes down(act(gate x) * up x) (act: silu, or Gemma 4's tanh GELU), or
+        down(glu(gate x, up x)) when `glu` is given (gpt-oss's clamped one); biases: the
+        (router [E], gate_up [E, 2 * inter], down [E, H]) biases, each optional."""
+        router_bias, gate_up_bias, down_bias = biases or (None, None, None)
+        self.router = Linear(router, dtype, keep_quantized, bias=router_bias)
+        self.act, self.glu = act, glu
         self.top_k, self.norm_topk, self.inter = top_k, norm_topk, inter
-        self.gate_up = ExpertProj(gate_up, dtype, keep_quantized)
-        self.down = ExpertProj(down, dtype, keep_quantized)
+        self.gate_up = ExpertProj(gate_up, dtype, keep_quantized, gate_up_bias)
+        self.down = ExpertProj(down, dtype, keep_quantized, down_bias)
         # MLX's CPU gather_mm runs one BLAS call per pair whatever the order, so grouping
         # pairs by expert changes no bits there; GPU kernels may differ, so CPU only.
         self.can_group = self.down.wt is not None and mx.default_device() == mx.cpu
@@ -79,7 +97,7 @@ class SparseMoE(Layer):
         # than 8+), so there padding rows go through the experts too, as through every Linear
         # (routed to row 0's experts, so they read no other expert's weights).
         self.skip_padding = mx.default_device() == mx.cpu
-        self.cuda = cuda.enabled() and act is silu
+        self.cuda = cuda.enabled() and act is silu and glu is None
 
     def parts(self) -> list[Layer]:
         return [self.router, self.gate_up, self.down]
@@ -100,7 +118,7 @@ class SparseMoE(Layer):
             h = cuda.swiglu(gu.reshape(-1, 2 * self.inter)).reshape(*gu.shape[:-1], self.inter)
         else:
             g, u = gu[..., : self.inter], gu[..., self.inter :]
-            h = self.act(g) * u
+            h = self.act(g) * u if self.glu is None else self.glu(g, u)
         return self.down(h, experts, grouped)
 
     def grouped_swiglu(self, x: mx.array, experts: mx.array) -> mx.array:

@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) void pv_run(const float *p0, const 
 
 int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int64_t Hkv,
                    int64_t D, float scale,
-                   int64_t window, const float *kpool, const float *vpool,
+                   int64_t window, const float *sinks, const float *kpool, const float *vpool,
                    const int32_t *tables, int64_t nbmax, const int32_t *row_table,
                    const int32_t *row_pos, float *out) {
   if (D % LANES != 0 || Hq % Hkv != 0 || D > LANES * MAX_CHUNKS) return -1;
@@ -141,10 +141,14 @@ int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int6
           best[i] = s > best[i] ? s : best[i];
         }
       }
-      /* weights and their sum: 16 keys at a time, padding lanes at -inf give 0 */
+      /* weights and their sum: 16 keys at a time, padding lanes at -inf give 0; a head's
+       * attention sink (gpt-oss; log2 units) is one more logit in the max and the sum that
+       * weights no value */
       for (int64_t i = 0; i < nq; i++) {
         float *sc = scores + i * stride;
         const int64_t n = pos[i] - lo[i] + 1;
+        const float sink = sinks ? sinks[h * group + i % group] : -__builtin_inff();
+        best[i] = sink > best[i] ? sink : best[i];
         for (int64_t j = n; j < ((n + LANES - 1) / LANES) * LANES; j++) sc[j] = -__builtin_inff();
         vfloat total = vzero();
         for (int64_t j = 0; j < n; j += LANES) {
@@ -152,7 +156,7 @@ int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int6
           vstore(sc + j, p);
           total = vadd(total, p);
         }
-        denom[i] = hsum(total);
+        denom[i] = hsum(total) + (sink - best[i] > -64.0f ? exp2f(sink - best[i]) : 0.0f);
         for (int64_t c = 0; c < chunks; c++) acc[i * chunks + c] = vzero();
       }
       /* out = sum_j p_j v_j / denom, keys in order for every query. Keys in blocks of

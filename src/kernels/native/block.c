@@ -28,8 +28,8 @@ int slot_rope(float *x, int64_t R, int64_t stride, int64_t H, int64_t D, const f
 int slot_kv_write(float *pool_k, float *pool_v, const float *src, int64_t R, int64_t stride,
                   int64_t k_off, int64_t v_off, int64_t H, int64_t D, const int32_t *rows);
 int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int64_t Hkv,
-                   int64_t D, float scale, int64_t window, const float *kpool,
-                   const float *vpool, const int32_t *tables, int64_t nbmax,
+                   int64_t D, float scale, int64_t window, const float *sinks,
+                   const float *kpool, const float *vpool, const int32_t *tables, int64_t nbmax,
                    const int32_t *row_table, const int32_t *row_pos, float *out);
 int slot_swiglu(const float *gu, int64_t R, int64_t I, float *out);
 
@@ -76,8 +76,8 @@ int slot_llama_block(float *x, int64_t R, int64_t H, const float *in_norm,
     rc = slot_kv_write(kpool, vpool, y, n_write, qkv_n, heads * head_dim,
                        (heads + kv_heads) * head_dim, kv_heads, head_dim, write_rows);
   if (rc == 0)
-    rc = slot_attention(y, qkv_n, R, heads, kv_heads, head_dim, scale, window, kpool, vpool,
-                        tables, nbmax, row_table, row_pos, att);
+    rc = slot_attention(y, qkv_n, R, heads, kv_heads, head_dim, scale, window, NULL, kpool,
+                        vpool, tables, nbmax, row_table, row_pos, att);
   if (rc == 0) rc = matmul(o, att, R, res);
   if (rc == 0) {
     for (int64_t i = 0; i < R * H; i++) x[i] = res[i] + x[i];

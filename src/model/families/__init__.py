@@ -9,6 +9,7 @@ from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.families import (
     gemma3,
     gemma4,
+    gpt_oss,
     llama,
     phi3,
     qwen2,
@@ -22,7 +23,7 @@ from slotserve.model.family import Family
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
-                       gemma3.FAMILY, gemma4.FAMILY, qwen3_5.FAMILY, phi3.FAMILY,
+                       gemma3.FAMILY, gemma4.FAMILY, qwen3_5.FAMILY, phi3.FAMILY, gpt_oss.FAMILY,
                        qwen3_5_moe.FAMILY, qwen3_next.FAMILY)
 }
 
