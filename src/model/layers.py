@@ -873,6 +873,10 @@ class SharedKVAttention(Attention):
     (before the k norm); `v_norm` norms each value head. Every layer of a model runs on the
     backend its widest head allows (`backend_dim`), as the step's tables are built once."""
 
+    # what the base class's __init__ sets that this one leaves as it is (no attention sinks)
+    sinks: mx.array | None = None
+    _host_sinks: np.ndarray | None = None
+
     def __init__(self, q: Tensor, k: Tensor | None, v: Tensor | None, o: Tensor,
                  dtype: mx.Dtype, keep_quantized: bool, *, layer: int, heads: int,
                  kv_heads: int, head_dim: int, scale: float, rope: Rope, q_norm: Norm,

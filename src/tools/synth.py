@@ -55,6 +55,22 @@ class Preset:
 _LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1000000.0}}
+_GEMMA4 = {"model_type": "gemma4_text", "head_dim": 256, "global_head_dim": 512,
+           "attention_k_eq_v": True, "sliding_window": 1024, "vocab_size": 262144,
+           "rms_norm_eps": 1e-6, "rope_parameters": _GEMMA4_ROPE,
+           "max_position_embeddings": 262144, "tie_word_embeddings": True,
+           "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+           "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}
+
+
+def _gemma4_layers(n: int, every: int = 6) -> list[str]:
+    return ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(n)]
+
+
 PRESETS: dict[str, Preset] = {
     "llama3-8b": Preset("LlamaForCausalLM", {
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
@@ -86,6 +102,19 @@ PRESETS: dict[str, Preset] = {
                             "partial_rotary_factor": 0.25},
         "hidden_act": "silu",
     }),
+    # Gemma 4 31B (dense) and 26B-A4B (experts beside the MLP): 5 sliding layers (window
+    # 1024, 256-wide heads) to 1 global (fewer 512-wide heads, k = v, proportional RoPE)
+    "gemma4-31b": Preset("Gemma4ForCausalLM", {
+        **_GEMMA4, "hidden_size": 5376, "num_hidden_layers": 60, "num_attention_heads": 32,
+        "num_key_value_heads": 16, "num_global_key_value_heads": 4,
+        "intermediate_size": 21504, "layer_types": _gemma4_layers(60),
+    }),
+    "gemma4-26b-a4b": Preset("Gemma4ForCausalLM", {
+        **_GEMMA4, "hidden_size": 2816, "num_hidden_layers": 30, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "num_global_key_value_heads": 2, "intermediate_size": 2112,
+        "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+        "moe_intermediate_size": 704, "layer_types": _gemma4_layers(30),
+    }),
     # small shapes for tests (every input width a multiple of the 4-bit group)
     "tiny-llama": Preset("LlamaForCausalLM", {
         "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
@@ -114,6 +143,24 @@ PRESETS: dict[str, Preset] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                             "partial_rotary_factor": 0.25},
         "hidden_act": "silu",
+    }),
+    # Gemma 4 in miniature: per-layer inputs and shared K/V (E2B's parts), then experts
+    "tiny-gemma4": Preset("Gemma4ForCausalLM", {
+        **_GEMMA4, "hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_global_key_value_heads": 1, "head_dim": 64,
+        "global_head_dim": 128, "sliding_window": 64, "intermediate_size": 512,
+        "vocab_size": 49216, "vocab_size_per_layer_input": 49216,
+        "hidden_size_per_layer_input": 64, "num_kv_shared_layers": 2,
+        "use_double_wide_mlp": True, "max_position_embeddings": 4096,
+        "layer_types": _gemma4_layers(6, 3),
+    }),
+    "tiny-gemma4-moe": Preset("Gemma4ForCausalLM", {
+        **_GEMMA4, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_global_key_value_heads": 1, "head_dim": 64,
+        "global_head_dim": 128, "sliding_window": 64, "intermediate_size": 512,
+        "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+        "moe_intermediate_size": 128, "vocab_size": 49216, "max_position_embeddings": 4096,
+        "layer_types": _gemma4_layers(4, 2),
     }),
 }
 
@@ -144,6 +191,9 @@ def tensor_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[in
     qk_norm = cfg["model_type"] in ("qwen3", "qwen3_moe")
     if cfg["model_type"] in HYBRID_TYPES:
         yield from _hybrid_shapes(cfg, fmt)
+        return
+    if cfg["model_type"] == "gemma4_text":
+        yield from _gemma4_shapes(cfg, fmt)
         return
     yield "model.embed_tokens.weight", (v, h)
     for i in range(cfg["num_hidden_layers"]):
@@ -232,6 +282,62 @@ def _hybrid_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[i
         yield "lm_head.weight", (v, h)
 
 
+def _gemma4_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Gemma 4's layout: per-kind head shapes (k = v on the global layers: no v_proj), q/k
+    head norms, four block norms and a layer scalar, experts (HF's fused gate_up_proj, or
+    mlx-lm's switch_glu stacks) with their router and own norms, per-layer inputs."""
+    h, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, width = cfg["num_attention_heads"], cfg.get("hidden_size_per_layer_input") or 0
+    first_shared = n - cfg.get("num_kv_shared_layers", 0)
+    yield "model.embed_tokens.weight", (v, h)
+    if width:
+        yield "model.embed_tokens_per_layer.weight", (cfg.get("vocab_size_per_layer_input", v),
+                                                      n * width)
+        yield "model.per_layer_model_projection.weight", (n * width, h)
+        yield "model.per_layer_projection_norm.weight", (width,)
+    for i, kind in enumerate(cfg["layer_types"]):
+        p, full = f"model.layers.{i}", kind == "full_attention"
+        d = cfg["global_head_dim"] if full else cfg["head_dim"]
+        kv = cfg["num_global_key_value_heads"] if full else cfg["num_key_value_heads"]
+        for norm in ("input_layernorm", "post_attention_layernorm",
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            yield f"{p}.{norm}.weight", (h,)
+        yield f"{p}.layer_scalar", (1,)
+        yield f"{p}.self_attn.q_proj.weight", (heads * d, h)
+        yield f"{p}.self_attn.q_norm.weight", (d,)
+        if i < first_shared:
+            yield f"{p}.self_attn.k_proj.weight", (kv * d, h)
+            yield f"{p}.self_attn.k_norm.weight", (d,)
+            if not (full and cfg.get("attention_k_eq_v")):
+                yield f"{p}.self_attn.v_proj.weight", (kv * d, h)
+        yield f"{p}.self_attn.o_proj.weight", (h, heads * d)
+        inter = cfg["intermediate_size"] * (2 if cfg.get("use_double_wide_mlp")
+                                            and i >= first_shared else 1)
+        yield f"{p}.mlp.gate_proj.weight", (inter, h)
+        yield f"{p}.mlp.up_proj.weight", (inter, h)
+        yield f"{p}.mlp.down_proj.weight", (h, inter)
+        if cfg.get("enable_moe_block"):
+            e, m = cfg["num_experts"], cfg["moe_intermediate_size"]
+            yield f"{p}.router.proj.weight", (e, h)
+            yield f"{p}.router.scale", (h,)
+            yield f"{p}.router.per_expert_scale", (e,)
+            if fmt == "mlx4":
+                yield f"{p}.experts.switch_glu.gate_proj.weight", (e, m, h)
+                yield f"{p}.experts.switch_glu.up_proj.weight", (e, m, h)
+                yield f"{p}.experts.switch_glu.down_proj.weight", (e, h, m)
+            else:
+                yield f"{p}.experts.gate_up_proj", (e, 2 * m, h)
+                yield f"{p}.experts.down_proj", (e, h, m)
+            for norm in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                         "post_feedforward_layernorm_2"):
+                yield f"{p}.{norm}.weight", (h,)
+        if width:
+            yield f"{p}.per_layer_input_gate.weight", (width, h)
+            yield f"{p}.per_layer_projection.weight", (h, width)
+            yield f"{p}.post_per_layer_input_norm.weight", (h,)
+    yield "model.norm.weight", (h,)
+
+
 def _draw(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
     """Norms are ones; matrices N(0, 1/in) so activations stay O(1) through the depth."""
     if len(shape) == 1:
@@ -242,19 +348,24 @@ def _draw(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
 
 def _arrays(name: str, w: mx.array, fmt: str) -> dict[str, mx.array]:
     """The stored tensors for one weight in the chosen format."""
-    if fmt == "mlx4" and w.ndim >= 2 and w.shape[-1] % GROUP_SIZE == 0:
+    if fmt == "mlx4" and w.ndim >= 2 and w.shape[-1] % GROUP_SIZE == 0 \
+            and name.endswith(".weight"):
         q, scales, biases = mx.quantize(w, group_size=GROUP_SIZE, bits=BITS)
         base = name[: -len(".weight")]
         return {name: q, f"{base}.scales": scales, f"{base}.biases": biases}
-    if w.ndim == 3 and ".experts." in name:  # bf16 MoE: HF's per-expert names
+    if w.ndim == 3 and ".experts." in name and name.endswith(".weight"):  # bf16: per expert
         prefix, proj = name.rsplit(".experts.", 1)
         return {f"{prefix}.experts.{e}.{proj}": w[e] for e in range(w.shape[0])}
     return {name: w}
 
 
-def _copy_tokenizer(outdir: Path, tokenizer_dir: str | Path | None) -> int:
-    """Write tokenizer.json + tokenizer_config.json; returns the tokenizer's vocab size."""
+def _copy_tokenizer(outdir: Path, tokenizer_dir: str | Path | None,
+                    model_type: str = "") -> int:
+    """Write tokenizer.json + tokenizer_config.json; returns the tokenizer's vocab size (the
+    bundled SmolLM2's by default, with Gemma 4's control tokens and template for gemma4)."""
     src = tokenizer_dir or settings.current().tokenizer_dir
+    if model_type == "gemma4_text":
+        return write_gemma4_tokenizer(outdir, base_dir=src)
     if src:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(Path(src) / f, outdir / f)
@@ -308,13 +419,17 @@ GEMMA4_SYNTH_TEMPLATE = r"""{{- bos_token -}}
 {%- if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif -%}"""
 
 
-def write_gemma4_tokenizer(outdir: Path, template: str = GEMMA4_SYNTH_TEMPLATE) -> int:
-    """SmolLM2's tokenizer plus Gemma 4's control tokens, with a Gemma 4 chat template (the
-    gemma4 family refuses any other); returns its vocab size."""
+def write_gemma4_tokenizer(outdir: Path, template: str = GEMMA4_SYNTH_TEMPLATE,
+                           base_dir: str | Path | None = None) -> int:
+    """SmolLM2's tokenizer (or the one in base_dir) plus Gemma 4's control tokens, with a
+    Gemma 4 chat template (the gemma4 family refuses any other); returns its vocab size."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    write_smollm2_tokenizer(outdir)
+    if base_dir:
+        shutil.copyfile(Path(base_dir) / "tokenizer.json", outdir / "tokenizer.json")
+    else:
+        write_smollm2_tokenizer(outdir)
     tok = HFTokenizer.from_file(str(outdir / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in GEMMA4_TOKENS])
@@ -338,7 +453,7 @@ def synth(preset: str, outdir: str | Path, fmt: str = "mlx4", layers: int | None
     for old in out.glob("model*.safetensors*"):
         old.unlink()
     t0 = time.perf_counter()
-    tok_vocab = _copy_tokenizer(out, tokenizer_dir)
+    tok_vocab = _copy_tokenizer(out, tokenizer_dir, cfg["model_type"])
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     meta = {"format": "mlx" if fmt == "mlx4" else "pt"}
     weight_map: dict[str, str] = {}

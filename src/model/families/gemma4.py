@@ -384,7 +384,8 @@ class Model(decoder.Decoder):
 
 def text_decoder(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
     """Keep the text decoder's tensors: drop a multimodal checkpoint's vision and audio
-    towers, and the K/V projections shared layers still carry (HF ignores them too)."""
+    towers, and the K/V projections shared layers still carry (HF ignores them too); read
+    mlx-lm's expert stacks (`experts.switch_glu.<proj>`) as stacked `experts.<proj>`."""
     assert isinstance(cfg, Config)
     shared = [f"model.layers.{i}.self_attn.{name}" for i in range(cfg.first_shared,
                                                                    cfg.num_layers)
@@ -392,6 +393,8 @@ def text_decoder(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
     for name in list(weights):
         if name.startswith(NOT_TEXT) or name.rsplit(".", 1)[0] in shared:
             del weights[name]
+        elif ".experts.switch_glu." in name:
+            weights[name.replace(".switch_glu.", ".")] = weights.pop(name)
 
 
 FAMILY = Family(
