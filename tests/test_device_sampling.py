@@ -49,6 +49,13 @@ def test_device_path_gives_the_host_paths_tokens(vocab: int) -> None:
                                            zip(params, dev.tokens, host.tokens, strict=True)
                                            if a != b]
         assert dev.logprobs == host.logprobs and dev.top_logprobs == host.top_logprobs
+    # top_k alone (no running sums on the device), ties included
+    logits = np.round(_random_logits(rng, 4, vocab))
+    params = [SamplingParams(top_k=k, temperature=0.9, seed=k) for k in (2, 5, 40, vocab - 1)]
+    states = [RowState(p) for p in params]
+    for pos in range(3):
+        assert sample_rows(mx.array(logits), params, states, [pos] * 4, on_device=True).tokens \
+            == sample_rows(mx.array(logits), params, states, [pos] * 4).tokens
 
 
 def test_sampled_row_alone_equals_batched_with_other_params() -> None:

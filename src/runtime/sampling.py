@@ -479,6 +479,8 @@ def _sorted_cutoffs(
     """
     vocab = ascending.shape[-1]
     k = mx.array(k_eff.astype(np.int32))
+    if not (top_p < 1.0).any():  # top_k alone: no running sums (c = k, whatever they say)
+        return k, mx.take_along_axis(ascending, (vocab - k)[:, None], axis=-1)[:, 0]
     p = mx.array(top_p.astype(np.float32))
     before = mx.cumsum(ascending, axis=-1, reverse=True, inclusive=False)  # at V-1-rank
     at_k = (vocab - 1 - mx.minimum(k, vocab - 1))[:, None]
