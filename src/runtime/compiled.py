@@ -8,7 +8,11 @@ replayed in C++: the same primitives (custom kernels included) on the new inputs
 
 Only steps the CUDA kernels run whose every row decodes one token are compiled: then the
 graph depends on nothing but the input shapes (rows, block-table width, pool size and
-RoPE table size). Everything that changes between steps is an input: the tokens, the
+RoPE table size). The block-table width (the longest row's KV pages) is padded up to a
+power of two, so a batch whose sequences grow is traced again at 2, 4, 8, ... pages, not
+at every page: a row's kernels read only its own pages (its bits cannot depend on the
+width, which is the longest row's in its batch), and `same_bits` checks a padded step.
+Everything that changes between steps is an input: the tokens, the
 row tables, every layer's K/V pool arrays (the step's scatters return new ones, put back
 into the pool as an uncompiled step leaves them) and the RoPE tables (which grow).
 
@@ -29,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from slotserve.kernels.attention import BLOCK
 from slotserve.model.layers import Batch, Rope
 
 MAX_TRACES = 64
@@ -80,8 +85,9 @@ class CompiledDecode:
         for rope in self.ropes:  # grown here: a trace must not change the model
             rope.reserve(max_pos)
         tables = [t for rope in self.ropes for t in (rope.cos, rope.sin)]
-        return [tokens, batch.positions, batch.write_rows, *batch.cuda, *tables,
-                *pool.keys, *pool.values]
+        blocks, row_table, row_pos = batch.cuda
+        return [tokens, batch.positions, batch.write_rows, padded_width(blocks), row_table,
+                row_pos, *tables, *pool.keys, *pool.values]
 
     def _call(self, key: tuple[Any, ...], inputs: list[mx.array], batch: Batch) -> mx.array:
         pool = batch.pool
@@ -104,19 +110,21 @@ class CompiledDecode:
 
     def same_bits(self, rows: int = 3, steps: int = 1) -> bool:
         """Whether compiled decode steps give the plain forward's bits (logits and the K/V
-        they write), on this model and machine: `steps` greedy steps of `rows` short
-        prompts, each run plain, then again compiled. Compiled steps run only where this
-        holds, so a row's output is the same whichever way its step ran."""
+        they write), on this model and machine: `steps` greedy steps of `rows` prompts,
+        each run plain, then again compiled. The last prompt spans three KV pages, so the
+        compiled steps read a block table padded to four. Compiled steps run only where
+        this holds, so a row's output is the same whichever way its step ran."""
         model = self.model
         kvs = [model.new_kv() for _ in range(rows)]
+        lengths = [5 + i + (2 * BLOCK if i == rows - 1 else 0) for i in range(rows)]
         try:
-            for i, kv in enumerate(kvs):  # prompts of 5, 6, ... tokens
-                batch = Batch.build([(kv, 0, 5 + i)])
-                model(mx.arange(5 + i, dtype=mx.int32) * (7 + i), batch, [])
+            for i, (kv, n) in enumerate(zip(kvs, lengths, strict=True)):
+                batch = Batch.build([(kv, 0, n)])
+                model(mx.arange(n, dtype=mx.int32) * (7 + i) % 1000, batch, [])
                 mx.eval(batch.written())
             tokens = mx.arange(rows, dtype=mx.int32) + 3
             for step in range(steps):
-                parts = [(kv, 5 + i + step, 1) for i, kv in enumerate(kvs)]
+                parts = [(kv, n + step, 1) for kv, n in zip(kvs, lengths, strict=True)]
                 batch = Batch.build(parts)
                 if not self.applies(batch, list(range(rows))):
                     return False
@@ -171,6 +179,16 @@ class CompiledDecode:
             for rope, (cos, sin) in zip(self.ropes, saved, strict=True):
                 rope.cos, rope.sin = cos, sin
         return [logits, *pool.keys, *pool.values]
+
+
+def padded_width(blocks: mx.array) -> mx.array:
+    """A step's block tables [segments, pages, kv heads] with the pages axis padded (page 0,
+    never read) up to a power of two: the compiled step's shape changes less often."""
+    width = blocks.shape[1]
+    bucket = 1 << max(width - 1, 0).bit_length()
+    if bucket == width:
+        return blocks
+    return mx.pad(blocks, [(0, 0), (0, bucket - width), (0, 0)])
 
 
 def _bits(a: mx.array) -> np.ndarray:
