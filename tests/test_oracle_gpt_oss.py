@@ -6,10 +6,15 @@ of 64 (so its ramp sits mid-spectrum) and the experts' GLU is clamped at a limit
 activations reach (limit 0.5), so a dropped sink, bias, window, YaRN attention factor, the
 interleaved gate/up order or the clamp each change the logits. Both the CPU attention
 kernel and the MLX-ops attention (which take the sinks each their own way) are checked.
+
+The same checkpoint in the released files' layout (experts as MXFP4 `*_blocks`/`*_scales`,
+written with MLX's own mxfp4 quantizer, OpenAI's quantization_config) is read by
+transformers' MXFP4 reader (Mxfp4Config(dequantize=True)) as the reference.
 """
 
 from __future__ import annotations  # noqa: I001  (slotserve preloads OpenBLAS before MLX)
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +41,7 @@ YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[int]]:
     cfg = transformers.GptOssConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+        vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
         swiglu_limit=0.5, rope_parameters=YARN, bos_token_id=None, eos_token_id=None,
@@ -94,4 +99,44 @@ def test_logits_match_hf(model: Any, checkpoint: Any) -> None:
 
 def test_greedy_decode_matches_hf_generate(model: Any, checkpoint: Any) -> None:
     _, hf, prompt = checkpoint
+    assert greedy_tokens(model, prompt, NEW_TOKENS) == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+def write_mxfp4(src: Path, dst: Path) -> None:
+    """src's checkpoint with the experts as the released files keep them: MXFP4 blocks
+    [E, out, in / 32, 16] (two codes a byte, low nibble first) and E8M0 scales."""
+    out: dict[str, mx.array] = {}
+    for key, value in mx.load(str(src / "model.safetensors")).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            codes, scales = mx.quantize(value.swapaxes(1, 2), group_size=32, bits=4,
+                                        mode="mxfp4")
+            e, rows, words = codes.shape
+            out[key + "_blocks"] = codes.view(mx.uint8).reshape(e, rows, words * 4 // 16, 16)
+            out[key + "_scales"] = scales
+        else:
+            out[key] = value
+    dst.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dst / "model.safetensors"), out, metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def test_mxfp4_experts_match_transformers_reader(checkpoint: Any, tmp_path: Path) -> None:
+    path, _, prompt = checkpoint
+    write_mxfp4(path, tmp_path)
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.Mxfp4Config(dequantize=True),
+    ).to(torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    model = load(tmp_path, device="cpu", with_tokenizer=False).model
+    n = len(prompt)
+    ours = model(mx.array(prompt), Batch.build([(model.new_kv(), 0, n)]), list(range(n)))
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].numpy()
+    diff = np.abs(np.array(ours) - want).max()
+    assert diff <= 1e-3, f"max |logit diff| = {diff}"
     assert greedy_tokens(model, prompt, NEW_TOKENS) == hf_greedy(hf, prompt, NEW_TOKENS)

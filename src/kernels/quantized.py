@@ -33,3 +33,35 @@ class QuantizedWeight:
         return QuantizedWeight(
             self.weight[order], self.scales[order], self.biases[order], self.group_size, self.bits
         )
+
+
+@dataclass
+class Mxfp4Weight:
+    """An MXFP4 [..., out, in] matrix as MLX stores it (`mode="mxfp4"`): 4-bit E2M1 codes,
+    eight to a uint32 (element i of a word in bits 4i..4i+3), one E8M0 power-of-two scale
+    (uint8, bias 127) per 32 inputs, no biases. gpt-oss's released experts are in this
+    format (`*_blocks` bytes are the same codes two to a byte, `*_scales` the same scales)."""
+
+    weight: mx.array  # [..., out, in / 8] uint32
+    scales: mx.array  # [..., out, in / 32] uint8
+    group_size: int = 32
+    bits: int = 4
+    mode: str = "mxfp4"
+
+    @staticmethod
+    def from_blocks(blocks: mx.array, scales: mx.array) -> Mxfp4Weight:
+        """The MXFP4 tensor of a `*_blocks` [..., out, in / 32, 16] uint8 tensor and its
+        `*_scales` [..., out, in / 32]."""
+        *lead, groups, nbytes = blocks.shape
+        words = blocks.reshape(*lead, groups * nbytes).view(mx.uint32)
+        return Mxfp4Weight(words, scales)
+
+    def dequantize(self, dtype: mx.Dtype) -> mx.array:
+        w = mx.dequantize(self.weight, self.scales, None, group_size=self.group_size,
+                          bits=self.bits, mode=self.mode)
+        return w.astype(dtype)
+
+    def take(self, order: mx.array, axis: int) -> Mxfp4Weight:
+        """Rows (an `out` axis, or the expert axis) in another order."""
+        return Mxfp4Weight(mx.take(self.weight, order, axis=axis),
+                           mx.take(self.scales, order, axis=axis))

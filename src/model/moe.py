@@ -14,6 +14,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from slotserve.kernels import cuda
+from slotserve.kernels.quantized import Mxfp4Weight
 from slotserve.model.layers import Activation, Layer, Linear, Norm, normed, plus, silu
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -28,17 +29,17 @@ class ExpertProj(Layer):
     """One projection of every expert of a layer, applied to (row, expert) pairs; `bias`
     [E, out] adds each pair's expert's bias (gpt-oss)."""
 
-    def __init__(self, weight: Tensor, dtype: mx.Dtype, keep_quantized: bool,
+    def __init__(self, weight: Tensor | Mxfp4Weight, dtype: mx.Dtype, keep_quantized: bool,
                  bias: Tensor | None = None) -> None:
-        self.q: QuantizedWeight | None = None
+        self.q: QuantizedWeight | Mxfp4Weight | None = None
         self.wt: mx.array | None = None
         assert bias is None or isinstance(bias, mx.array), "biases are never quantized"
         self.bias = None if bias is None else bias.astype(dtype)
-        if keep_quantized and isinstance(weight, QuantizedWeight):
+        if keep_quantized and isinstance(weight, QuantizedWeight | Mxfp4Weight):
             self.q = weight
         else:
             dense = (
-                weight.dequantize(dtype) if isinstance(weight, QuantizedWeight)
+                weight.dequantize(dtype) if isinstance(weight, QuantizedWeight | Mxfp4Weight)
                 else weight.astype(dtype)
             )
             # [E, in, out] kept contiguous so each pair is a plain row-times-matrix product.
@@ -50,6 +51,12 @@ class ExpertProj(Layer):
         return y if self.bias is None else y + self.bias[experts][..., None, :]
 
     def _product(self, x: mx.array, experts: mx.array, grouped: bool) -> mx.array:
+        if isinstance(self.q, Mxfp4Weight):
+            q4 = self.q
+            return mx.gather_qmm(
+                x, q4.weight, q4.scales, None, rhs_indices=experts, transpose=True,
+                group_size=q4.group_size, bits=q4.bits, mode=q4.mode, sorted_indices=grouped,
+            )
         if self.q is not None:
             q = self.q
             return mx.gather_qmm(
@@ -61,7 +68,8 @@ class ExpertProj(Layer):
 
     def arrays(self) -> list[mx.array]:
         q = self.q
-        out = [q.weight, q.scales, q.biases] if q is not None else [self.wt]
+        out = ([self.wt] if q is None else [q.weight, q.scales] if isinstance(q, Mxfp4Weight)
+               else [q.weight, q.scales, q.biases])
         return out + ([] if self.bias is None else [self.bias])  # type: ignore[list-item]
 
 

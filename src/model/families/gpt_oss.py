@@ -8,10 +8,11 @@ a softmax over the chosen experts' logits (the full softmax renormalized over th
 moe.SparseMoE computes it), and whose experts have biases and a clamped GLU:
 (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
 
-transformers stores the experts as [E, in, out] with gate and up columns interleaved; they
-are brought to moe.SparseMoE's [E, out, in] with gate rows before up rows here. The released
-checkpoints keep the experts in MXFP4 (`*_blocks`, `*_scales`), which is refused for now;
-checkpoints in float (bf16/f32) load.
+transformers stores float experts as [E, in, out] with gate and up columns interleaved;
+they are brought to moe.SparseMoE's [E, out, in] with gate rows before up rows here. The
+released checkpoints keep the experts in MXFP4 (`*_blocks` [E, out, in / 32, 16] bytes and
+`*_scales`, rows interleaved alike), which are MLX's own `mxfp4` codes: kept so on the GPU
+(gather_qmm, mode mxfp4), dequantized once at load on the CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 import slotserve.model.families.llama as llama
+from slotserve.kernels.quantized import Mxfp4Weight
 from slotserve.model import decoder, layers, moe
 from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.family import Family
@@ -65,11 +67,23 @@ def clamped_glu(alpha: float, limit: float) -> moe.Glu:
     return glu
 
 
-def deinterleave(t: mx.array, axis: int) -> mx.array:
-    """transformers' interleaved gate/up columns (gate at even indices) as gate, then up."""
-    n = t.shape[axis]
+def deinterleave(t: mx.array | Mxfp4Weight, axis: int) -> mx.array | Mxfp4Weight:
+    """gpt-oss's interleaved gate/up outputs (gate at even indices) as gate, then up."""
+    n = t.weight.shape[axis] if isinstance(t, Mxfp4Weight) else t.shape[axis]
     order = mx.concatenate([mx.arange(0, n, 2), mx.arange(1, n, 2)])
-    return mx.take(t, order, axis=axis)
+    return t.take(order, axis) if isinstance(t, Mxfp4Weight) else mx.take(t, order, axis=axis)
+
+
+def expert_matrix(w: dict[str, Tensor], name: str) -> mx.array | Mxfp4Weight:
+    """An expert projection as [E, out, in]: MXFP4 blocks as they are, float [E, in, out]
+    transposed."""
+    if f"{name}_blocks" in w:
+        blocks, scales = w[f"{name}_blocks"], w[f"{name}_scales"]
+        assert isinstance(blocks, mx.array) and isinstance(scales, mx.array)
+        return Mxfp4Weight.from_blocks(blocks, scales)
+    dense = w[name]
+    assert isinstance(dense, mx.array), "float or MXFP4 experts"
+    return dense.swapaxes(1, 2)
 
 
 class Experts(moe.SparseMoE):
@@ -78,18 +92,12 @@ class Experts(moe.SparseMoE):
     def __init__(self, cfg: Config, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
                  quant: bool) -> None:
         e = f"{p}.experts"
-        if f"{e}.gate_up_proj_blocks" in w:
-            raise UnsupportedModelError(
-                "gpt-oss MXFP4 experts (the released checkpoints' format) are not supported "
-                "yet; supported: gpt-oss checkpoints with float (bf16/f32) experts")
-        gate_up, down = w[f"{e}.gate_up_proj"], w[f"{e}.down_proj"]
         gate_up_bias = w[f"{e}.gate_up_proj_bias"]
-        assert all(isinstance(t, mx.array) for t in (gate_up, down, gate_up_bias)), \
-            "float experts"
+        assert isinstance(gate_up_bias, mx.array), "biases are never quantized"
         super().__init__(
             w[f"{p}.router.weight"],
-            deinterleave(gate_up.swapaxes(1, 2), axis=1),  # type: ignore[union-attr]
-            down.swapaxes(1, 2),  # type: ignore[union-attr]
+            deinterleave(expert_matrix(w, f"{e}.gate_up_proj"), axis=1),  # type: ignore[arg-type]
+            expert_matrix(w, f"{e}.down_proj"),  # type: ignore[arg-type]
             inter=cfg.intermediate_size, top_k=cfg.experts_per_token, norm_topk=True,
             dtype=dtype, keep_quantized=quant,
             glu=clamped_glu(cfg.swiglu_alpha, cfg.swiglu_limit),
