@@ -58,6 +58,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from slotserve.api.server import main as serve_main
 
+    ranks = getattr(args, "tensor_parallel", 1)
+    if ranks > 1:
+        from slotserve.model import parallel
+
+        if parallel.rank_from_env() > 0:  # a rank the launcher started: no HTTP here
+            return parallel.worker_main(args.model, args.device, ranks)
+        # started alone: this process is rank 0 and starts the others (under mlx.launch,
+        # the launcher started them)
+        workers = ([] if parallel.launched_size() > 1
+                   else parallel.launch(ranks, args.device, sys.argv[1:]))
+        try:
+            return serve_main(args)
+        finally:
+            parallel.reap(workers)
     return serve_main(args)
 
 
@@ -141,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who shares prefix KV (cached_tokens): requests of one API key (the "
                         "default; without a key, everyone), all requests, or none; a "
                         "request's cache_salt splits it further")
+    s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N ranks of this host, one process each (one "
+                        "GPU each, NCCL; on the CPU the ring backend over 127.0.0.1); this "
+                        "process serves HTTP as rank 0 and starts the others, or takes its "
+                        "rank from mlx.launch (MLX_RANK)")
     s.add_argument("--allow-batch-variance", action="store_true",
                    help="serve even if the start-up probe finds outputs depend on the batch")
     s.set_defaults(fn=cmd_serve)

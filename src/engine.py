@@ -46,6 +46,7 @@ from slotserve.actors.messages import (
 )
 from slotserve.actors.session import Session
 from slotserve.actors.slot import Slot
+from slotserve.model import parallel
 from slotserve.model.chat_template import ChatTemplate
 from slotserve.model.families import family as model_family
 from slotserve.model.loader import LoadedModel, load
@@ -94,6 +95,9 @@ class EngineConfig:
     # (only the MLX-ops fallback, without the native kernels, can fail it): outputs then
     # differ between alone and batched. Off: such an engine refuses to start.
     allow_batch_variance: bool = False
+    # ranks the model is split over (model.parallel; one process each, this one rank 0).
+    # None: as many as the launcher started (MLX_WORLD_SIZE / MLX_HOSTFILE), else 1
+    tensor_parallel: int | None = None
     # how far prefix reuse (the one prefix cache) reaches: "key" within a request's
     # cache_namespace (the HTTP API key; the in-process default is one namespace), "global"
     # across every request, "none" never across requests. cache_salt splits it further.
@@ -178,9 +182,14 @@ class Engine:
         cfg = self.config
         self.mlx = MLXThread()
         rows = max(cfg.prefill_budget, cfg.max_slots, 256)
-        self.loaded = await self.mlx.run(
-            lambda: load(cfg.model, device=cfg.device, probe_rows=rows, progress=self.progress)
-        )
+        ranks = parallel.launched_size() if cfg.tensor_parallel is None else cfg.tensor_parallel
+        if ranks > 1:  # rank 0's part, its forwards sent to the other ranks first
+            self.loaded = await self.mlx.run(
+                lambda: parallel.load_driver(cfg.model, cfg.device, ranks, rows, self.progress))
+        else:
+            self.loaded = await self.mlx.run(
+                lambda: load(cfg.model, device=cfg.device, probe_rows=rows,
+                             progress=self.progress))
         lm = self.loaded
         report = lm.invariance
         if (report is not None and not report.invariant and lm.device == "cpu"
@@ -196,6 +205,8 @@ class Engine:
         speculate = lm.device == "gpu" if cfg.speculate is None else cfg.speculate
         compiled = (lm.device == "gpu" and settings.current().compile
                     if cfg.compile_decode is None else cfg.compile_decode)
+        if ranks > 1:  # every rank runs exactly the forwards rank 0 sends, plain
+            speculate = compiled = False
         runner = ModelRunner(lm.model, speculate=speculate, compiled=compiled)
         if runner.compiled is not None:
             same = await self.mlx.run(runner.compiled.same_bits)
@@ -346,6 +357,8 @@ class Engine:
         if self.mlx is not None:
             if self.batcher is not None:
                 await self.mlx.run(self.batcher.runner.close)
+            if isinstance(self.loaded.model if self.loaded else None, parallel.Driver):
+                await self.mlx.run(self.loaded.model.close)  # the other ranks stop
             self.mlx.close()
 
     # ---- requests --------------------------------------------------------------
