@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 
 from slotserve.kernels import native
+from slotserve.model import layers
 from slotserve.model.layers import Backend, Batch
 from slotserve.runtime.plain import greedy_tokens
 
-from model_checks import hf_greedy
+from model_checks import assert_mixed_decode_matches_solo, hf_greedy
 from slotserve.model.loader import load
 
 torch = pytest.importorskip("torch")
@@ -100,6 +101,15 @@ def test_logits_match_hf(model: Any, checkpoint: Any) -> None:
 def test_greedy_decode_matches_hf_generate(model: Any, checkpoint: Any) -> None:
     _, hf, prompt = checkpoint
     assert greedy_tokens(model, prompt, NEW_TOKENS) == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+def test_mixed_decode_batch_gives_solo_bits(model: Any, checkpoint: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three slots in one decode step (sinks, windows and experts routed per row) give each
+    row exactly its solo logits; the row floor as the start-up probe sets it for 64-wide
+    outputs (see test_oracle_gemma3)."""
+    monkeypatch.setattr(layers, "LINEAR_ROW_FLOOR", 32)
+    assert_mixed_decode_matches_solo(model, checkpoint[2], [11, 222, 333])
 
 
 def write_mxfp4(src: Path, dst: Path) -> None:
