@@ -15,11 +15,13 @@ copies (`KVPool.copy_positions`) rank 0 made since the last step, in order. The 
 (`serve_worker`) run the same forward on the same inputs and evaluate the same arrays, so
 the collectives pair up one for one.
 
-Invariance: the order of every sum is fixed. A rank's share is the same kernels on the same
-rows whatever the batch (the invariance rules), and `all_sum` adds the ranks' shares in the
-backend's fixed order, so a row's result still does not depend on its batch. It is not the
-single-process result bit for bit: a split matmul rounds its two halves before adding them
-(the tests compare tokens, greedy and seeded).
+Invariance: a rank's share is the same kernels on the same rows whatever the batch (the
+invariance rules), and with two ranks `all_sum` is one addition of two shares, the same bits
+in any order, so a row's result still does not depend on its batch. With more ranks that
+holds only where the backend's reduction order does not depend on the message size (NCCL
+picks its algorithm and chunks by size: untested here beyond two ranks). It is not the
+single-process result bit for bit: a split matmul rounds its halves before adding them (the
+tests compare tokens, greedy and seeded).
 
 Runs the dense families with pre-norm blocks (llama, qwen2, qwen3); heads, kv heads and the
 MLP width must divide by N. MoE experts are not split yet.
@@ -383,6 +385,9 @@ def launch(size: int, device: str, argv: list[str]) -> list[subprocess.Popen[byt
 
 def reap(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
     """Wait for the other ranks (they stop when rank 0's engine closes); kill what is left."""
+    hostfile = os.environ.get("MLX_HOSTFILE", "")
+    if procs and Path(hostfile).name.startswith("slotserve-ring-"):
+        Path(hostfile).unlink(missing_ok=True)  # ours (launch); read at start-up only
     deadline = time.monotonic() + timeout
     for p in procs:
         try:

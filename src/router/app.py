@@ -161,8 +161,11 @@ def create_app(replicas: list[str], *, health_interval: float = 2.0,
         out_headers["X-Slotserve-Replica"] = str(list(pool.replicas).index(replica.url))
         out_headers["X-Slotserve-Route"] = choice.reason
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return Response(_stream(pool, replica, upstream, path, gone),
-                            status=upstream.status_code, headers=out_headers)
+            lease = Lease(replica, upstream)
+            if link is not None:  # a client gone before the body starts: nobody iterates it
+                link.on_gone(lease.release_unless_started)
+            return Response(_stream(pool, lease, path, gone), status=upstream.status_code,
+                            headers=out_headers)
         try:
             data = await _unless(upstream.aread(), replica, gone)
         except (httpx.HTTPError, Gone) as exc:
@@ -177,9 +180,35 @@ def create_app(replicas: list[str], *, health_interval: float = 2.0,
     return app
 
 
-async def _stream(pool: Pool, replica: Replica, upstream: httpx.Response, path: str,
+class Lease:
+    """A streamed answer's hold on its replica (one request in flight) and on the upstream
+    connection, given back exactly once: when the stream ends, or when the client left
+    before Quart began to send it (the generator then never runs, nor its `finally`)."""
+
+    def __init__(self, replica: Replica, upstream: httpx.Response) -> None:
+        self.replica, self.upstream = replica, upstream
+        self.started = self.released = False
+
+    async def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.replica.in_flight -= 1
+        with contextlib.suppress(Exception):
+            await self.upstream.aclose()
+
+    def release_unless_started(self) -> None:
+        if not self.started and not self.released:
+            asyncio.ensure_future(self.release())
+
+
+async def _stream(pool: Pool, lease: Lease, path: str,
                   gone: asyncio.Event) -> AsyncIterator[bytes]:
     """The replica's body as it comes; an error event in the stream's dialect if it breaks."""
+    if lease.released:
+        return
+    lease.started = True
+    replica, upstream = lease.replica, lease.upstream
     head = b""
     chunks = upstream.aiter_raw()
     try:
@@ -201,9 +230,7 @@ async def _stream(pool: Pool, replica: Replica, upstream: httpx.Response, path: 
                 _note_response_id(pool, replica, head)
             yield chunk
     finally:
-        with contextlib.suppress(Exception):
-            await upstream.aclose()
-        replica.in_flight -= 1
+        await lease.release()
 
 
 async def _unless(awaitable: Awaitable[T], replica: Replica, gone: asyncio.Event) -> T:
