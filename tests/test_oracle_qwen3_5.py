@@ -41,7 +41,7 @@ TEXT = dict(
 )
 
 
-def randomize(hf: Any, seed: int) -> Any:
+def randomize(hf: Any, seed: int, std: float = 0.1) -> Any:
     """Weights of a trained model's scale; the norms, decays and gates off their init."""
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -57,7 +57,7 @@ def randomize(hf: Any, seed: int) -> Any:
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn_like(p))
             else:
-                p.normal_(0.0, 0.1)
+                p.normal_(0.0, std)
     return hf.to(torch.float32).eval()
 
 

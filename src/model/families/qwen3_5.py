@@ -233,12 +233,25 @@ class Model(decoder.Decoder):
         return deltanet.HybridKV(self.kv_pool, self.state_shape)
 
 
+# the (1 + w) norms, which mlx-lm stores as 1 + w when it converts a checkpoint
+SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                 "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
 def drop_unused(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
     """Drop what the text decoder never reads: the multi-token-prediction head and the
-    vision tower of the ForConditionalGeneration layout (transformers ignores them too)."""
+    vision tower of the ForConditionalGeneration layout (transformers ignores them too).
+    A checkpoint written by mlx-lm (its conv weights [D, K, 1], MLX's conv layout) holds its
+    zero-centered norms as 1 + w: they are brought back to transformers' w."""
     for name in [n for n in weights
                  if n.startswith(("mtp.", "model.visual.", "visual.", "model.mtp."))]:
         del weights[name]
+    convs = [t for n, t in weights.items() if n.endswith("conv1d.weight")]
+    if convs and convs[0].shape[-1] == 1 and convs[0].shape[1] > 1:
+        for name in [n for n in weights if n.endswith(SHIFTED_NORMS)]:
+            norm = weights[name]
+            assert isinstance(norm, mx.array), "norm weights are never quantized"
+            weights[name] = norm.astype(mx.float32) - 1.0
 
 
 FAMILY = Family(
