@@ -1,13 +1,14 @@
 """Tensor parallel over MLX's ring backend: `slotserve serve --tensor-parallel 2` on the CPU,
 two processes over 127.0.0.1, against the same model in one process.
 
-The model is a tiny random llama made by transformers (4 heads, 2 kv heads, so each rank
-holds 2 and 1; SmolLM2's 9 heads do not split in two), cached by its recipe under
-~/.cache/slotserve/. Requests go concurrently to the split server (batched steps, a shared
-prefix whose page start is copied) and one by one to the single process; greedy and seeded
-answers must be the same text. The single process is the reference: splitting a matmul's
-sum in two rounds differently, so this checks that such rounding stays below what changes a
-token, and that the ranks stay in step through batching, prefix reuse and KV copies.
+The models are a tiny random llama made by transformers (4 heads, 2 kv heads, so each rank
+holds 2 and 1; SmolLM2's 9 heads do not split in two) and tiny_models' Qwen3-MoE (each rank
+holds half of every expert), cached under ~/.cache/slotserve/. Requests go concurrently to
+the split server (batched steps, a shared prefix whose page start is copied) and one by one
+to the single process; greedy and seeded answers must be the same text. The single process
+is the reference: splitting a matmul's sum in two rounds differently, so this checks that
+such rounding stays below what changes a token, and that the ranks stay in step through
+batching, prefix reuse and KV copies.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import pytest
+from tiny_models import make_tiny
 
 from slotserve.api.app import create_app
 from slotserve.api.server import BackgroundServer
 from slotserve.engine import EngineConfig
+from slotserve.kernels.quantized import QuantizedWeight
+from slotserve.model.parallel import shard_weights
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,6 +78,59 @@ def tiny_llama() -> Path:
     return path
 
 
+def tiny_moe() -> Path:
+    """tiny_models' Qwen3-MoE (8 experts of width 32, a dense layer of 96), built once."""
+    source = (Path(__file__).with_name("tiny_models.py")).read_bytes()
+    key = hashlib.sha256(source).hexdigest()[:16]
+    path = Path.home() / ".cache" / "slotserve" / f"tp-tiny-qwen3_moe-{key}"
+    if not (path / "model.safetensors").exists():
+        tmp = make_tiny("qwen3_moe", path.with_name(path.name + f".tmp{os.getpid()}"))
+        if not path.exists():
+            os.replace(tmp, path)
+    return path
+
+
+def _dense(t: object) -> mx.array:
+    return t.dequantize(mx.float32) if isinstance(t, QuantizedWeight) else t  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_each_rank_gets_its_rows_and_columns(quantized: bool) -> None:
+    mx.random.seed(0)
+    full = {"l.q_proj.weight": mx.random.normal((8, 128)),
+            "l.o_proj.weight": mx.random.normal((128, 256)),
+            "l.mlp.experts.gate_proj.weight": mx.random.normal((3, 8, 128)),
+            "l.mlp.experts.down_proj.weight": mx.random.normal((3, 128, 256)),
+            "l.mlp.experts.gate_up_proj": mx.random.normal((3, 16, 128)),
+            "l.input_layernorm.weight": mx.random.normal((128,))}
+    tensors: dict[str, object] = dict(full)
+    if quantized:
+        for name, w in full.items():
+            if w.ndim > 1:
+                tensors[name] = QuantizedWeight(*mx.quantize(w, group_size=64, bits=4), 64, 4)
+    dense = {k: _dense(v) for k, v in tensors.items()}
+    parts = [shard_weights(tensors, r, 2) for r in range(2)]  # type: ignore[arg-type]
+    for r, part in enumerate(parts):
+        got = {k: _dense(v) for k, v in part.items()}
+        assert mx.array_equal(got["l.q_proj.weight"], dense["l.q_proj.weight"][4 * r:4 * r + 4])
+        assert mx.array_equal(got["l.o_proj.weight"],
+                              dense["l.o_proj.weight"][:, 128 * r:128 * r + 128])
+        assert mx.array_equal(got["l.mlp.experts.gate_proj.weight"],
+                              dense["l.mlp.experts.gate_proj.weight"][:, 4 * r:4 * r + 4])
+        assert mx.array_equal(got["l.mlp.experts.down_proj.weight"],
+                              dense["l.mlp.experts.down_proj.weight"][:, :, 128 * r:128 * r + 128])
+        gu = dense["l.mlp.experts.gate_up_proj"]
+        assert mx.array_equal(got["l.mlp.experts.gate_up_proj"], mx.concatenate(
+            [gu[:, 4 * r:4 * r + 4], gu[:, 8 + 4 * r:8 + 4 * r + 4]], axis=1))
+        assert got["l.input_layernorm.weight"] is dense["l.input_layernorm.weight"]
+    # the two column halves' products add up to the whole product
+    x = mx.random.normal((2, 256))
+    whole = x @ dense["l.o_proj.weight"].T
+    halves = sum(x[:, 128 * r:128 * r + 128] @ _dense(parts[r]["l.o_proj.weight"]).T
+                 for r in range(2))
+    assert mx.allclose(whole, halves, atol=1e-4)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,8 +144,9 @@ def complete(url: str, body: dict[str, object]) -> tuple[str, int]:
     return data["choices"][0]["text"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_two_ranks_answer_as_one_process(tmp_path: Path) -> None:
-    model = tiny_llama()
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_two_ranks_answer_as_one_process(tmp_path: Path, family: str) -> None:
+    model = tiny_llama() if family == "llama" else tiny_moe()
     port = free_port()
     log = tmp_path / "tp.log"
     script = Path(sys.executable).with_name("slotserve")

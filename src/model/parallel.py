@@ -23,8 +23,11 @@ picks its algorithm and chunks by size: untested here beyond two ranks). It is n
 single-process result bit for bit: a split matmul rounds its halves before adding them (the
 tests compare tokens, greedy and seeded).
 
-Runs the dense families with pre-norm blocks (llama, qwen2, qwen3); heads, kv heads and the
-MLP width must divide by N. MoE experts are not split yet.
+Runs the families with plain pre-norm blocks (llama, qwen2, qwen3, qwen3_moe); heads, kv
+heads and the MLP and expert widths must divide by N. Each expert is split like the MLP
+(its gate/up rows, its down columns): every rank routes every row alike (the router is
+replicated) and runs its part of the chosen experts, and the weighted sum of the parts is
+the all_sum of the ranks' weighted sums.
 """
 
 from __future__ import annotations
@@ -52,11 +55,12 @@ from slotserve.model.decoder import Decoder, PreNormBlock
 from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.layers import Batch, GatedMLP
+from slotserve.model.moe import SparseMoE
 from slotserve.model.weights import Tensor
 
 log = structlog.get_logger("slotserve.parallel")
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
 COLUMNS = ("o_proj", "down_proj")  # split by input columns
 STEP, STOP = 1, 2
@@ -93,46 +97,89 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
         if n % size:
             raise UnsupportedModelError(
                 f"--tensor-parallel {size}: the model's {n} {name} do not split evenly")
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size,
-                               num_kv_heads=cfg.num_kv_heads // size,
-                               intermediate_size=cfg.intermediate_size // size)
+    split = dict(num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
+                 intermediate_size=cfg.intermediate_size // size)
+    expert_width = getattr(cfg, "moe_intermediate_size", 0)
+    if expert_width:
+        if expert_width % size:
+            raise UnsupportedModelError(f"--tensor-parallel {size}: the experts' "
+                                        f"{expert_width} columns do not split evenly")
+        split["moe_intermediate_size"] = expert_width // size
+    return dataclasses.replace(cfg, **split)
+
+
+def _take(t: Tensor, axis: int, start: int, stop: int) -> Tensor:
+    """t[start:stop] along `axis` of the logical matrix ([.., out, in]; a quantized one's
+    packed words and groups along `in`)."""
+    if not isinstance(t, QuantizedWeight):
+        return t[(slice(None),) * axis + (slice(start, stop),)]
+    ndim = t.weight.ndim
+    if axis == ndim - 2:
+        cut = (slice(None),) * axis + (slice(start, stop),)
+        return QuantizedWeight(t.weight[cut], t.scales[cut], t.biases[cut], t.group_size,
+                               t.bits)
+    if start % t.group_size or (start * t.bits) % 32 or (stop - start) % t.group_size:
+        raise UnsupportedModelError(
+            f"a matrix quantized in groups of {t.group_size} does not split at column {start}")
+    lead = (slice(None),) * (ndim - 1)
+    words = lead + (slice(start * t.bits // 32, stop * t.bits // 32),)
+    groups = lead + (slice(start // t.group_size, stop // t.group_size),)
+    return QuantizedWeight(t.weight[words], t.scales[groups], t.biases[groups], t.group_size,
+                           t.bits)
+
+
+def _dims(t: Tensor) -> tuple[int, int, int]:
+    """(ndim, out, in) of a [.., out, in] matrix, quantized or not."""
+    if isinstance(t, QuantizedWeight):
+        return t.weight.ndim, t.weight.shape[-2], t.scales.shape[-1] * t.group_size
+    return t.ndim, t.shape[-2] if t.ndim > 1 else t.shape[0], t.shape[-1]
 
 
 def _rows(t: Tensor, rank: int, size: int) -> Tensor:
-    n = t.shape[0] // size
-    if isinstance(t, QuantizedWeight):
-        s = slice(rank * n, (rank + 1) * n)
-        return QuantizedWeight(t.weight[s], t.scales[s], t.biases[s], t.group_size, t.bits)
-    return t[rank * n:(rank + 1) * n]
+    ndim, out, _ = _dims(t)
+    n = out // size
+    return _take(t, max(ndim - 2, 0), rank * n, (rank + 1) * n)
 
 
 def _columns(t: Tensor, rank: int, size: int) -> Tensor:
-    n = t.shape[1] // size
+    ndim, _, cols = _dims(t)
+    n = cols // size
+    return _take(t, ndim - 1, rank * n, (rank + 1) * n)
+
+
+def _gate_up_rows(t: Tensor, rank: int, size: int) -> Tensor:
+    """Fused [E, 2I, H] gate+up experts (gate rows, then up rows): this rank's gate rows
+    then its up rows."""
+    ndim, out, _ = _dims(t)
+    half = out // 2
+    gate, up = _take(t, ndim - 2, 0, half), _take(t, ndim - 2, half, out)
+    parts = [_rows(gate, rank, size), _rows(up, rank, size)]
     if isinstance(t, QuantizedWeight):
-        if n % t.group_size or (n * t.bits) % 32:
-            raise UnsupportedModelError(
-                f"a {t.shape} matrix quantized in groups of {t.group_size} does not split "
-                f"into {size} column blocks")
-        words, groups = n * t.bits // 32, n // t.group_size
-        return QuantizedWeight(t.weight[:, rank * words:(rank + 1) * words],
-                               t.scales[:, rank * groups:(rank + 1) * groups],
-                               t.biases[:, rank * groups:(rank + 1) * groups],
-                               t.group_size, t.bits)
-    return t[:, rank * n:(rank + 1) * n]
+        a, b = parts
+        assert isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
+        return QuantizedWeight(*(mx.concatenate([x, y], axis=ndim - 2) for x, y in (
+            (a.weight, b.weight), (a.scales, b.scales), (a.biases, b.biases))),
+            t.group_size, t.bits)
+    return mx.concatenate(parts, axis=ndim - 2)  # type: ignore[arg-type]
 
 
 def shard_weights(weights: dict[str, Tensor], rank: int, size: int) -> dict[str, Tensor]:
-    """Rank `rank`'s part of each block's projections (HF names); the rest is replicated."""
+    """Rank `rank`'s part of each block's projections and experts (HF names: `*.q_proj.weight`,
+    stacked `*.experts.gate_proj.weight` [E, out, in], fused `*.experts.gate_up_proj`); the
+    rest (norms, embedding, lm_head, the experts' router) is replicated."""
     out: dict[str, Tensor] = {}
     for name, t in weights.items():
         parts = name.split(".")
-        proj = parts[-2] if len(parts) >= 2 else ""
-        if proj in COLUMNS and parts[-1] == "bias":
+        last = parts[-1]
+        proj = parts[-2] if last in ("weight", "bias") and len(parts) >= 2 else last
+        if proj in COLUMNS and last == "bias":
             raise UnsupportedModelError(f"{name}: a bias after a column split would be added "
                                         "once per rank; tensor parallel runs unbiased o/down")
-        if proj in ROWS and parts[-1] in ("weight", "bias"):
+        if proj == "gate_up_proj":
+            out[name] = _gate_up_rows(t, rank, size)
+        elif proj in ROWS:
             out[name] = _rows(t, rank, size)
-        elif proj in COLUMNS and parts[-1] == "weight":
+        elif proj in COLUMNS:
             out[name] = _columns(t, rank, size)
         else:
             out[name] = t
@@ -158,8 +205,12 @@ def parallelize(model: Decoder, group: Any) -> Decoder:
                 or type(block).__call__ is not PreNormBlock.__call__):
             raise UnsupportedModelError(f"tensor parallel needs plain pre-norm blocks, not "
                                         f"{type(block).__name__}")
-        if not isinstance(block.mlp, GatedMLP):
-            raise UnsupportedModelError("tensor parallel does not split MoE experts yet")
+        mlp = block.mlp
+        if isinstance(mlp, SparseMoE):
+            if any(b is not None for b in (mlp.router.bias, mlp.gate_up.bias, mlp.down.bias)):
+                raise UnsupportedModelError("tensor parallel runs experts without biases")
+        elif not isinstance(mlp, GatedMLP):
+            raise UnsupportedModelError(f"tensor parallel does not split {type(mlp).__name__}")
         split = ParallelBlock(block.attn, block.mlp, block.in_norm, block.post_norm)
         split.group = group
         model.layers[i] = split
