@@ -259,3 +259,34 @@ def test_rope_attention_gives_rope_write_and_attentions_bits(heads: int, kv_head
     # the new K/V did go in: the pool rows written differ from the keys they replaced
     rows = mx.array(writes.reshape(-1))
     assert not mx.array_equal(pools[1][0][rows], kflat[rows]).item()
+
+
+@pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 128, None), (3, 64, 700)])
+def test_long_rows_are_split_and_keep_their_bits(group: int, head_dim: int,
+                                                 window: int | None) -> None:
+    """Rows whose keys span more than one split (launch.SPLIT_BLOCKS key blocks) run a block
+    per split, combined in order: right against the reference, the same bits alone or in a
+    launch with other rows, and rows that fit one split keep the whole kernel's bits."""
+    hkv, d = 2, head_dim
+    cap = (2 * launch.SPLIT_BLOCKS + 3) * BLOCK  # three splits
+    keys, values, kpool, vpool, tables = _paged_kv(2, hkv, cap, d, 100, 110)
+    assert launch.attention_splits(tables.shape[1]) == 3
+    q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(120)).astype(mx.bfloat16)
+    positions = [5, 127, 900, 1023, 1024, 1500, 2047, 2048, cap - 2, cap - 1]
+    slots = [1, 0, 1, 0, 1, 1, 0, 1, 0, 1]
+    rows = mx.array(positions, dtype=mx.int32)
+    scale = d**-0.5
+    together = cuda.paged_attention(q[rows], kpool, vpool, tables,
+                                    mx.array(slots, dtype=mx.int32), rows, scale, window)
+    for i, (p, s) in enumerate(zip(positions, slots, strict=True)):
+        one = mx.array([p], dtype=mx.int32)
+        alone = cuda.paged_attention(q[one], kpool, vpool, tables, mx.array([s], dtype=mx.int32),
+                                     one, scale, window)
+        assert mx.array_equal(alone[0], together[i]).item(), p
+        want = reference_attention(q[p : p + 1], keys[s], values[s], p, scale, window)
+        err = mx.abs(together[i].astype(mx.float32) - want[0]).max().item()
+        assert err < 3e-2, (p, err)
+        if p < launch.SPLIT_BLOCKS * BLOCK:  # fits one split: the whole kernel's bits
+            whole = cuda.paged_attention(q[one], kpool, vpool, tables[:, : launch.SPLIT_BLOCKS],
+                                         mx.array([s], dtype=mx.int32), one, scale, window)
+            assert mx.array_equal(whole[0], together[i]).item(), p

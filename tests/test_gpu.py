@@ -119,3 +119,36 @@ def test_decode_steps_run_compiled_and_give_the_plain_forwards_bits(harness: Eng
     assert compiled.traced > 0
     engine.drop_retained()
     assert engine.mlx.call(lambda: compiled.same_bits(rows=3, steps=3))
+
+
+def test_long_contexts_keep_their_bits(harness: EngineHarness) -> None:
+    """Contexts past one attention split (kernels.cuda.launch.SPLIT_BLOCKS key blocks): the
+    same tokens alone, batched with each other, and resumed from a cached prefix, so the
+    split rows' combine does not depend on the batch or on prefill against decode."""
+    engine = harness.engine
+    vocab = engine.tokenizer.vocab_size
+    prompts = [[(7 * i + 13 * j) % (vocab - 200) + 100 for j in range(n)]
+               for i, n in enumerate((2500, 3100))]
+    opts = [options(0), options(1)]
+    alone = []
+    for p, o in zip(prompts, opts, strict=True):
+        engine.drop_retained()
+        alone.append(harness.call(lambda p=p, o=o: engine.complete(p, **o)).token_ids)
+
+    async def together() -> list[Any]:
+        out: list[Any] = [None, None]
+
+        async def one(i: int) -> None:
+            out[i] = await engine.complete(prompts[i], **opts[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(one, i)
+        return out
+
+    engine.drop_retained()
+    assert [c.token_ids for c in harness.call(together)] == alone
+    engine.drop_retained()
+    harness.call(lambda: engine.complete(prompts[1][:2200], **opts[1]))  # its prefix cached
+    warm = harness.call(lambda: engine.complete(prompts[1], **opts[1]))
+    assert warm.usage.reused_tokens >= 2048 and warm.token_ids == alone[1]

@@ -38,17 +38,28 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     r, d = q.shape[0], kpool.shape[-1]
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
-    staged = launch.attention_staged(r, hkv)
-    (out,) = kernel("paged_attention", launch.attention_shared_bytes(d) if staged else 0)(
-        inputs=[q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table, row_pos,
-                _attention_params(scale)],
-        template=[("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
-                  ("STAGED", staged)],
-        grid=(r * hkv * ATTENTION_THREADS, 1, 1),
+    splits = launch.attention_splits(tables.shape[1])
+    staged = launch.attention_staged(r * splits, hkv)
+    inputs = [q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table,
+              row_pos, _attention_params(scale)]
+    template = [("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
+                ("STAGED", staged), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS)]
+    shared = launch.attention_shared_bytes(d) if staged else 0
+    if splits == 1:
+        (out,) = kernel("paged_attention", shared)(
+            inputs=inputs, template=template, grid=(r * hkv * ATTENTION_THREADS, 1, 1),
+            threadgroup=(ATTENTION_THREADS, 1, 1), output_shapes=[(r, hq * d)],
+            output_dtypes=[mx.bfloat16])
+        return out.reshape(q.shape)
+    (part,) = kernel("paged_attention_split", shared)(
+        inputs=inputs, template=template, grid=(r * hkv * splits * ATTENTION_THREADS, 1, 1),
         threadgroup=(ATTENTION_THREADS, 1, 1),
-        output_shapes=[(r, hq * d)],
-        output_dtypes=[mx.bfloat16],
-    )
+        output_shapes=[(r, hkv, splits, hq // hkv, d + 2)], output_dtypes=[mx.float32])
+    (out,) = kernel("attention_combine")(
+        inputs=[part, row_table, row_pos],
+        template=[("G", hq // hkv), ("D", d), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS)],
+        grid=(r * hkv * ATTENTION_THREADS, 1, 1), threadgroup=(ATTENTION_THREADS, 1, 1),
+        output_shapes=[(r, hq * d)], output_dtypes=[mx.bfloat16])
     return out.reshape(q.shape)
 
 
@@ -67,7 +78,8 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
     bits either way (the same rotation, rounded to bf16 as rope_write stores it).
     """
     r = qkv.shape[0]
-    if not launch.rope_in_attention(r, kv_heads, one_row_per_slot):
+    if (not launch.rope_in_attention(r, kv_heads, one_row_per_slot)
+            or launch.attention_splits(tables.shape[1]) > 1):
         q = rope_write(qkv, cos, sin, row_pos, write_rows, kpool, vpool, heads, kv_heads,
                        head_dim)
         return paged_attention(q, kpool, vpool, tables, row_table, row_pos, scale, window)
@@ -76,7 +88,8 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
         inputs=[qkv, kpool, vpool, tables, row_table, row_pos, _attention_params(scale), cos,
                 sin, write_rows],
         template=[("T", kpool.dtype), ("G", heads // kv_heads), ("D", head_dim),
-                  ("WINDOW", window or 0), ("STAGED", True)],
+                  ("WINDOW", window or 0), ("STAGED", True),
+                  ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS)],
         grid=(r * kv_heads * ATTENTION_THREADS, 1, 1),
         threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, heads * head_dim)],

@@ -34,6 +34,12 @@ time per kernel with the caches flushed before each, as a step reads its weights
   row and the launch is staged (each block then owns its kv head's new K/V), else
   `rope_write` + `paged_attention`: 267 -> 235 kernels in a 1-row step, the one launch
   14.8 µs against 13.3 + 9.2 for the two.
+* paged_attention, rows whose keys span more than `SPLIT_BLOCKS` key blocks (1,024 keys)
+  split into a block per (row, kv head, split), then combined in split order
+  (`attention_combine`): one 16k-context row was 8 blocks on the 132 SMs. Llama-3-8B shape,
+  4-bit, one stream: decode at 4k context 128 -> 213 tok/s, at 16k 46 -> 158 tok/s; the
+  prefill of one 16k prompt 6.70 -> 7.86 s (its rows are split too: prefill and decode must
+  give a position the same bits).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ NORM_ROWS = 4  # q4_matmul normalizes x in its prologue for launches of up to th
 STAGED_BLOCKS = 256  # paged_attention stages K/V in launches of up to this many blocks
 GLUE_THREADS = 256  # threads a block of the elementwise kernels (rope_write, swiglu)
 ATTENTION_THREADS = 128  # threads a block of the attention kernels (one per key of a block)
+SPLIT_BLOCKS = 8  # key blocks (of 128) a split of a long row's attention takes
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,13 @@ def attention_staged(rows: int, kv_heads: int) -> bool:
 def attention_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of a staged attention launch: padded K rows, then V rows."""
     return 128 * (2 * head_dim // 8 + 1) * 16
+
+
+def attention_splits(table_blocks: int) -> int:
+    """Splits of a paged_attention launch whose block tables span `table_blocks` key
+    blocks: 1 (one block per row and kv head) while every row fits one split, else the
+    splits of the widest table (a block per row, kv head and split, then the combine)."""
+    return -(-table_blocks // SPLIT_BLOCKS)
 
 
 def rope_in_attention(rows: int, kv_heads: int, one_row_per_slot: bool) -> bool:

@@ -8,19 +8,31 @@
 // blocks of 128 at fixed absolute positions, so a position's output never depends on how
 // it was batched.
 //
-// The two kernels differ only where the wrapper (slotserve/kernels/cuda/sources.py)
+// Long rows are split (slotserve_paged_attention_split): a block per (row, kv head, split)
+// takes the key blocks of one split of SPLIT_BLOCKS blocks at fixed absolute positions and
+// writes its running max, sum and P.V sums; attention_combine.cu then combines a row's
+// splits in split order. A row whose keys fit one split gets the bits of the whole kernel
+// (the combine multiplies its one split by exp2(0) = 1), and a longer row is split in every
+// launch it is in (decode or prefill), so a position's bits never depend on its batch.
+//
+// The kernels differ only where the wrapper (slotserve/kernels/cuda/sources.py)
 // substitutes, once when the source is read:
+//   line @BLOCK@  the block's row r, kv head h and split (-1: all of the row's keys):
+//                 attention_whole_block.cu or attention_split_block.cu
+//   line @PAD@    a padding row: zeros (attention_whole_pad.cu), or nothing for a split
+//   line @OUT@    the result: the output row (attention_whole_out.cu) or the split's
+//                 partial sums (attention_split_out.cu)
 //   line @Q@      the query: paged_attention_query.cu (read q) or rope_attention_query.cu
 //                 (rotate the row's fused QKV, write the new K/V into the pool)
 //   line @PATCH@  run on each staged key block: nothing, or rope_attention_patch.cu (patch
 //                 the staged copy of the new position from registers)
 // Template: T (pool dtype), G, D (head dim), WINDOW (sliding window, 0: none), STAGED (each
-// key block's K/V copied to shared memory first; rope_attention always is).
+// key block's K/V copied to shared memory first; rope_attention always is), SPLIT_BLOCKS.
 
   const int HKV = tables_shape[2];
   const int nbmax = tables_shape[1];
   const int HQ = HKV * G;
-  const int r = blockIdx.x / HKV, h = blockIdx.x % HKV;
+@BLOCK@
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   __shared__ float qs[G][D];
   __shared__ float ps[G][128];
@@ -30,7 +42,7 @@
   const size_t base = ((size_t)r * HQ + (size_t)h * G) * D;
   const int tb = row_table[r];
   if (tb < 0) {
-    for (int i = tid; i < G * D; i += 128) out[base + i] = __float2bfloat16(0.0f);
+@PAD@
     return;
   }
   const float scale = params[0];
@@ -55,19 +67,22 @@
     cp_async_commit();
   };
   // the first key block's copies fly while the query is read (and rotated)
-  if (STAGED) stage(lo / 128);
+  // the key blocks this block takes: all of the row's, or those of its split
+  const int jb_first = split < 0 ? lo / 128 : max(lo / 128, split * SPLIT_BLOCKS);
+  const int jb_last = split < 0 ? pos / 128 : min(pos / 128, split * SPLIT_BLOCKS + SPLIT_BLOCKS - 1);
+  if (STAGED) stage(jb_first);
 @Q@
   __syncthreads();
   float run_max[G], run_sum[G], acc[G];
 #pragma unroll
   for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
-  for (int jb = lo / 128; jb <= pos / 128; ++jb) {
+  for (int jb = jb_first; jb <= jb_last; ++jb) {
     const size_t blk = (size_t)table[jb * HKV + h] * 128;
     const int key = jb * 128 + tid;
     const bool valid = key >= lo && key <= pos;
     const int n = min(128, pos + 1 - jb * 128);  // keys of this block up to pos
     if (STAGED) {
-      if (jb > lo / 128) stage(jb);  // (the previous block's readers are done: see the end)
+      if (jb > jb_first) stage(jb);  // (the previous block's readers are done: see the end)
       cp_async_wait<0>();
 @PATCH@
       __syncthreads();
@@ -184,8 +199,4 @@
     }
     __syncthreads();
   }
-  if (tid < D) {
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg)
-      out[base + (size_t)gg * D + tid] = __float2bfloat16(acc[gg] / run_sum[gg]);
-  }
+@OUT@
