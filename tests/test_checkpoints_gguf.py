@@ -1,0 +1,188 @@
+"""GGUF files made by llama.cpp's own converter and quantizer load and match transformers.
+
+Each family's tiny random checkpoint (transformers' real classes, tests/converted.py) goes
+through convert_hf_to_gguf.py to f16 and Q8_0 and through llama-quantize to Q4_K_M (rows of
+256, as K-quants need; Q4_K_M mixes Q4_K with Q6_K, which slotserve requantizes to 8-bit).
+The reference for each file is transformers run on the weights that file holds, dequantized
+by transformers' own GGUF reader (converted.dequantized_hf), so a misread tensor, scale,
+permutation or metadata key shows up, while the file's own rounding does not.
+
+Criteria: 32 greedy tokens equal for f16, bf16 and Q8_0; over the reference's 64 greedy
+tokens (teacher-forced) top-1 agreement >= 0.95 and logits within RMS_TOL (RMS of the
+difference over RMS of the reference logits) for every format. On the CPU slotserve
+multiplies quantized weights with int8-quantized activations, as llama.cpp does: that is
+the 1-1.5% the quantized files measure; f16 ones measure ~5e-7. The checkpoints spread
+their token-embedding norms (row_spread) so that the top logit stands out as in a trained
+model rather than tying with thousands of others.
+"""
+
+from __future__ import annotations  # noqa: I001  (slotserve preloads OpenBLAS before MLX)
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import slotserve  # noqa: F401
+import mlx.core as mx
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from converted import dequantized_hf, quantize, tiny_hf, to_gguf
+from model_checks import hf_greedy
+from slotserve.model.config import gguf_rope_scaling
+from slotserve.model.errors import UnsupportedModelError
+from slotserve.model.layers import Batch
+from slotserve.model.loader import load
+from slotserve.runtime.plain import greedy_tokens
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    # Llama 3.1's scaling, with an original context short enough to scale these positions:
+    # the converter writes it as the rope_freqs tensor
+    "llama3-rope": ("llama", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "qwen3": ("qwen3", {}),
+    # llama.cpp's layout: 5 sliding layers then a global one (the converter writes no
+    # pattern), query scale 1/sqrt(head_dim) (it writes no scalar either), a logit softcap
+    "gemma3": ("gemma3_text", {"num_hidden_layers": 6, "sliding_window": 16,
+                               "query_pre_attn_scalar": 64, "final_logit_softcapping": 30.0}),
+}
+FORMATS = ("f16", "q8_0", "Q4_K_M")
+GREEDY_EXACT = {"f16", "bf16", "q8_0"}
+RMS_TOL = {"f16": 1e-5, "bf16": 1e-5, "q8_0": 0.03, "Q4_K_M": 0.04}
+PROMPT = np.random.default_rng(0).integers(0, 49152, 40).tolist()
+NEW = 64
+
+
+def gguf_file(case: str, fmt: str) -> tuple[Path, Path]:
+    family, overrides = CASES[case]
+    hf_dir = tiny_hf(family, {**K_QUANT_SHAPE, **overrides}, row_spread=1.0)
+    if fmt in ("f16", "bf16", "q8_0"):
+        return hf_dir, to_gguf(hf_dir, fmt)
+    return hf_dir, quantize(to_gguf(hf_dir, "f16"), fmt)
+
+
+@cache
+def reference(hf_dir: Path, path: Path) -> tuple[list[int], np.ndarray]:
+    """transformers on the file's dequantized weights: 64 greedy tokens after PROMPT and the
+    logits of every position of PROMPT + those tokens."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantized_hf(hf_dir, path), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    tokens = hf_greedy(hf, PROMPT, NEW)
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + tokens])).logits[0].numpy()
+    return tokens, logits
+
+
+def all_logits(model: Any, seq: list[int]) -> np.ndarray:
+    out = model(mx.array(seq), Batch.build([(model.new_kv(), 0, len(seq))]),
+                list(range(len(seq))))
+    return np.array(out.astype(mx.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_converted_gguf_matches_transformers(case: str, fmt: str) -> None:
+    hf_dir, path = gguf_file(case, fmt)
+    tokens, ref = reference(hf_dir, path)
+    with capture_logs() as logs:
+        model = load(path, device="cpu", with_tokenizer=False, probe_rows=None).model
+    if fmt in GREEDY_EXACT:
+        assert greedy_tokens(model, PROMPT, 32) == tokens[:32]
+    got = all_logits(model, PROMPT + tokens)
+    rms = float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2)))
+    assert rms <= RMS_TOL[fmt], rms
+    first = len(PROMPT) - 1  # the position that predicts the first new token
+    agree = float(np.mean(got[first:-1].argmax(-1) == ref[first:-1].argmax(-1)))
+    assert agree >= 0.95, agree
+    read = next(e for e in logs if e["event"] == "gguf tensors read")
+    if fmt == "Q4_K_M":  # Q4_K stays 4-bit; Q6_K is converted, and the log says so
+        assert read["lossless"].get("Q4_K -> MLX 4-bit g32", 0) > 0, read
+        assert read["requantized"].get("Q6_K -> MLX 8-bit g32", 0) > 0, read
+    if fmt == "q8_0":
+        assert read["lossless"].get("Q8_0 -> MLX 8-bit g32", 0) > 0, read
+
+
+def test_bf16_gguf_matches_transformers() -> None:
+    hf_dir, path = gguf_file("llama", "bf16")
+    tokens, ref = reference(hf_dir, path)
+    model = load(path, device="cpu", with_tokenizer=False, probe_rows=None).model
+    assert greedy_tokens(model, PROMPT, 32) == tokens[:32]
+    got = all_logits(model, PROMPT + tokens)
+    assert float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2))) <= RMS_TOL["bf16"]
+
+
+def test_llama3_gguf_carries_rope_freqs() -> None:
+    """The converter writes Llama 3's scaling as a tensor, not as keys: it is read as the
+    per-frequency divisors and is no weight of the model."""
+    from slotserve.model.loader import read_checkpoint
+
+    cfg, weights, _ = read_checkpoint(gguf_file("llama3-rope", "f16")[1])
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "freq_factors"
+    factors = cfg.rope_scaling["factors"]
+    assert len(factors) == 32 and min(factors) == 1.0 and max(factors) == 8.0
+    assert not any("rope" in k for k in weights)
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+def _write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Any]],
+                **keys: Any) -> Path:
+    """A small GGUF written by the gguf package's own writer."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_head_count(1)
+    w.add_feed_forward_length(32)
+    for k, v in keys.items():
+        w.add_string(k, v) if isinstance(v, str) else w.add_float32(k, v)
+    for name, (data, raw_dtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_gguf_architecture_is_refused(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "m.gguf", "mamba",
+                       {"token_embd.weight": (np.zeros((4, 32), np.float32), None)})
+    with pytest.raises(UnsupportedModelError,
+                       match=r"unsupported GGUF architecture 'mamba'; supported: \[.*'llama'"):
+        load(path, device="cpu", with_tokenizer=False, probe_rows=None)
+
+
+def test_unsupported_tensor_type_is_refused(tmp_path: Path) -> None:
+    """A tensor type the gguf package cannot dequantize is named, with what loads."""
+    import gguf
+
+    q8_1 = gguf.GGMLQuantizationType.Q8_1  # llama.cpp's activation type: no dequantizer
+    _, type_size = gguf.GGML_QUANT_SIZES[q8_1]
+    path = _write_gguf(tmp_path / "m.gguf", "llama", {
+        "token_embd.weight": (np.zeros((4, type_size), np.uint8), q8_1)})
+    with pytest.raises(UnsupportedModelError,
+                       match=r"'token_embd.weight' has type Q8_1.*supported: .*Q4_K.*IQ4_XS"):
+        load(path, device="cpu", with_tokenizer=False, probe_rows=None)
+
+
+def test_unsupported_rope_scaling_is_refused() -> None:
+    keys = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}
+    with pytest.raises(UnsupportedModelError,
+                       match=r"m.gguf: unsupported GGUF rope scaling 'yarn'; supported: none, "
+                             r"linear, llama3"):
+        gguf_rope_scaling(lambda k, d=None: keys.get(k, d), None, "m.gguf")
+    assert gguf_rope_scaling(lambda k, d=None: {"rope.scaling.type": "linear",
+                                                "rope.scaling.factor": 2.0}.get(k, d),
+                             None, "m.gguf") == {"rope_type": "linear", "factor": 2.0}
