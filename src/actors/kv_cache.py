@@ -233,7 +233,7 @@ class KVCache:
             self._hold(match.copy[0])
         kv.set_pages(list(match.pages))
         if self.snapshots is not None:
-            self.snapshots.start(kv, match)  # type: ignore[arg-type]
+            self.snapshots.start(kv, match, namespace is not None)  # type: ignore[arg-type]
         return Chain(namespace, list(match.keys))
 
     def copy_into(self, match: Match, kv: SlotKV) -> None:

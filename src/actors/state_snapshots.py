@@ -70,11 +70,11 @@ class StateSnapshots:
             self.states.move_to_end(match.keys[-1])
         return match
 
-    def start(self, kv: Stateful, match: Any) -> None:
-        """A sequence placed on `kv` starts from the match's snapshot (or position 0) and
-        marks its canonical states for `publish`."""
+    def start(self, kv: Stateful, match: Any, publishes: bool) -> None:
+        """A sequence placed on `kv` starts from the match's snapshot (or position 0) and,
+        if it `publishes` (has a cache namespace), marks its canonical states for `publish`."""
         kv.recurrent.restore(match.tokens, match.state)
-        kv.recurrent.keep_marks = True
+        kv.recurrent.keep_marks = publishes
         if match.state is not None:
             self.taken += 1
 
