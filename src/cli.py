@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV promised to a request beyond its prompt when it starts (default "
                         "256 tokens); it grows page by page after that, preempting the "
                         "youngest request when the budget is spent")
+    s.add_argument("--state-snapshot-pages", type=int, default=2,
+                   help="Gated DeltaNet models (qwen3_5*): keep a snapshot of the recurrent "
+                        "state every this many KV pages (128 tokens) of a prompt, so a "
+                        "follow-up turn resumes from the deepest one (default 2); each costs "
+                        "the state's bytes in the KV budget")
     s.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens of a request that leaves it out (default: up to the "
                         "context length, with nothing reserved for it up front)")

@@ -26,6 +26,7 @@ import psutil
 import structlog
 
 from slotserve import settings
+from slotserve.actors import state_snapshots
 from slotserve.actors.admission import (
     CACHE_SCOPES,
     DEFAULT_RESERVE_TOKENS,
@@ -78,6 +79,9 @@ class EngineConfig:
     # pages promised to a request beyond its prompt when it is placed (admission grows it
     # page by page after that)
     kv_reserve_tokens: int | None = None  # None: two pages (256 tokens)
+    # pages between the recurrent-state snapshots the prefix cache keeps for a model with
+    # Gated DeltaNet layers (qwen3_5*): how far back a follow-up turn resumes, at most
+    state_snapshot_pages: int = state_snapshots.DEFAULT_INTERVAL
     default_max_tokens: int | None = None  # None: up to the context length
     shutdown_deadline: float = 30.0
     # pipeline the decode steps: queue the next step on the lazy tokens of this one
@@ -232,6 +236,7 @@ class Engine:
             context_length=lm.config.max_position,
             reserve_tokens=DEFAULT_RESERVE_TOKENS if cfg.kv_reserve_tokens is None
             else cfg.kv_reserve_tokens,
+            state_interval=cfg.state_snapshot_pages,
         )
         for slot in self.slots:
             slot.placement = self.admission

@@ -27,6 +27,7 @@ from hypercorn.config import Config
 from quart import Quart
 
 from slotserve import settings
+from slotserve.actors import state_snapshots
 from slotserve.api.app import app_state, create_app
 from slotserve.api.keys import ENV, APIKeyError, APIKeys, as_api_keys, load_api_keys
 from slotserve.api.state import AppState, model_id_for
@@ -138,6 +139,8 @@ def main(args: argparse.Namespace) -> int:
                        kv_budget_bytes=settings.parse_bytes(getattr(args, "kv_budget", None)),
                        prefill_budget=getattr(args, "prefill_budget", 256),
                        kv_reserve_tokens=getattr(args, "kv_reserve_tokens", None),
+                       state_snapshot_pages=getattr(args, "state_snapshot_pages",
+                                                    state_snapshots.DEFAULT_INTERVAL),
                        default_max_tokens=getattr(args, "default_max_tokens", None),
                        allow_batch_variance=getattr(args, "allow_batch_variance", False),
                        cache_scope=getattr(args, "cache_scope", "key"))
