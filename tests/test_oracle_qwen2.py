@@ -90,6 +90,19 @@ def test_unread_tensors_are_refused(pair: Any, tmp_path: Path) -> None:
         load(tmp_path, device="cpu", with_tokenizer=False, probe_rows=None)
 
 
+def test_stored_rope_frequencies_are_not_refused(pair: Any, tmp_path: Path) -> None:
+    """Older Llama-family checkpoints also store rotary_emb.inv_freq, which the config
+    determines: they load."""
+    path, _, _, _ = pair
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = mx.load(str(path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = mx.ones((8,))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), tensors, metadata={"format": "pt"})
+    assert load(tmp_path, device="cpu", with_tokenizer=False, probe_rows=None).config.family \
+        == "qwen2"
+
+
 def test_mlx4_matches_dequantized_reference() -> None:
     """mlx_lm.convert -q of a tiny qwen2 checkpoint: 64 teacher-forced tokens against
     transformers holding the same 4-bit numbers (mlx4_checks)."""

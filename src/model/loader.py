@@ -134,7 +134,10 @@ def build_model(cfg: ModelConfig, weights: dict[str, Any], device: str, path: Pa
         built = model(cfg, tensors, policy.dtype, policy.keep_quantized)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: missing tensor {exc.args[0]!r} for {cfg.family}") from exc
-    unread = sorted(set(weights) - tensors.read)
+    # older Llama-family checkpoints store RoPE's inverse frequencies, which the config
+    # determines (HF itself recomputes them); nothing else is left unread
+    unread = sorted(k for k in set(weights) - tensors.read
+                    if not k.endswith(".rotary_emb.inv_freq"))
     if unread:
         shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
         raise UnsupportedModelError(
