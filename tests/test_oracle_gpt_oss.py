@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from slotserve.kernels import native
+from slotserve.kernels.quantized import Mxfp4Weight
 from slotserve.model import layers
 from slotserve.model.layers import Backend, Batch
 from slotserve.runtime.plain import greedy_tokens
@@ -135,7 +136,10 @@ def write_mxfp4(src: Path, dst: Path) -> None:
     (dst / "config.json").write_text(json.dumps(cfg))
 
 
-def test_mxfp4_experts_match_transformers_reader(checkpoint: Any, tmp_path: Path) -> None:
+def test_mxfp4_experts_match_transformers_reader(checkpoint: Any, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits and greedy tokens as transformers' MXFP4 reader gives them, the experts kept
+    MXFP4, and decode rows keep their solo bits in a mixed batch."""
     path, _, prompt = checkpoint
     write_mxfp4(path, tmp_path)
     hf = transformers.GptOssForCausalLM.from_pretrained(
@@ -150,3 +154,7 @@ def test_mxfp4_experts_match_transformers_reader(checkpoint: Any, tmp_path: Path
     diff = np.abs(np.array(ours) - want).max()
     assert diff <= 1e-3, f"max |logit diff| = {diff}"
     assert greedy_tokens(model, prompt, NEW_TOKENS) == hf_greedy(hf, prompt, NEW_TOKENS)
+    experts = model.layers[0].mlp
+    assert isinstance(experts.gate_up.q, Mxfp4Weight) and isinstance(experts.down.q, Mxfp4Weight)
+    monkeypatch.setattr(layers, "LINEAR_ROW_FLOOR", 32)
+    assert_mixed_decode_matches_solo(model, prompt, [11, 222, 333])

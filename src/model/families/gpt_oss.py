@@ -11,8 +11,8 @@ moe.SparseMoE computes it), and whose experts have biases and a clamped GLU:
 transformers stores float experts as [E, in, out] with gate and up columns interleaved;
 they are brought to moe.SparseMoE's [E, out, in] with gate rows before up rows here. The
 released checkpoints keep the experts in MXFP4 (`*_blocks` [E, out, in / 32, 16] bytes and
-`*_scales`, rows interleaved alike), which are MLX's own `mxfp4` codes: kept so on the GPU
-(gather_qmm, mode mxfp4), dequantized once at load on the CPU.
+`*_scales`, rows interleaved alike), which are MLX's own `mxfp4` codes: kept so on every
+device (gather_qmm, mode mxfp4).
 """
 
 from __future__ import annotations
