@@ -29,7 +29,7 @@ from slotserve.model.families.gemma3 import FULL, MLP, SLIDING, layer_pattern
 from slotserve.model.families.qwen3_moe import expert_weights
 from slotserve.model.family import Family
 from slotserve.model.kv import KVPool, SlotKV
-from slotserve.model.weights import Tensor
+from slotserve.model.weights import QuantizedWeight, Tensor
 
 # the parts of a Gemma4ForConditionalGeneration checkpoint that are not its text decoder
 NOT_TEXT = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.",
@@ -203,6 +203,25 @@ class UnitNorm(layers.Layer):
         return mx.fast.rms_norm(x, None, self.eps)
 
 
+class Lookup(layers.Layer):
+    """A table only ever read by row, kept as stored (no matmul layout of it): the per-layer
+    input table, [vocab, layers * width], E2B's and E4B's largest tensor."""
+
+    def __init__(self, table: Tensor, dtype: mx.Dtype) -> None:
+        self.table, self.dtype = table, dtype
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        t = self.table
+        if isinstance(t, QuantizedWeight):
+            return mx.dequantize(t.weight[tokens], t.scales[tokens], t.biases[tokens],
+                                 group_size=t.group_size, bits=t.bits).astype(self.dtype)
+        return t[tokens].astype(self.dtype)
+
+    def arrays(self) -> list[mx.array]:
+        t = self.table
+        return [t.weight, t.scales, t.biases] if isinstance(t, QuantizedWeight) else [t]
+
+
 class Attention(layers.SharedKVAttention):
     """Sliding or global attention of layer i, over its own K/V or a shared layer's."""
 
@@ -335,8 +354,7 @@ class Model(decoder.Decoder):
         self.width = cfg.hidden_size_per_layer_input
         self.extra_parts: list[layers.Layer] = []
         if self.width:
-            self.extra_embed = layers.Embedding(w["model.embed_tokens_per_layer.weight"], dtype,
-                                                quant)
+            self.extra_embed = Lookup(w["model.embed_tokens_per_layer.weight"], dtype)
             self.extra_scale = mx.array(math.sqrt(self.width), dtype=dtype)
             self.extra_project = layers.Linear(w["model.per_layer_model_projection.weight"],
                                                dtype, quant)
