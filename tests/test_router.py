@@ -265,6 +265,27 @@ def test_streams_pass_through_unchanged(cluster: Cluster) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["message"]
 
 
+def test_a_stored_response_is_continued_where_it_is(cluster: Cluster) -> None:
+    body = {"model": "default", "input": "Name a fruit.", "max_output_tokens": 6,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", cluster.router.url + "/v1/responses", json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        home = r.headers["x-slotserve-replica"]
+        events = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines()
+                  if line.startswith("data: ")]  # stored once the stream has ended
+    created = events[0]
+    assert created["type"] == "response.created"
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    for _ in range(2):  # whatever the load says, the stored response is on one replica only
+        nxt = httpx.post(cluster.router.url + "/v1/responses", json={
+            "model": "default", "input": "And a vegetable?", "max_output_tokens": 6,
+            "temperature": 0, "previous_response_id": created["response"]["id"]}, timeout=60)
+        assert nxt.status_code == 200, nxt.text
+        assert nxt.headers["x-slotserve-replica"] == home
+        assert nxt.headers["x-slotserve-route"] == "response"
+
+
 def _long_request(url: str, stream: bool, result: dict[str, object]) -> None:
     body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 4000,
             "ignore_eos": True, "temperature": 0, "stream": stream}

@@ -113,7 +113,7 @@ def create_app(replicas: list[str], *, health_interval: float = 2.0,
         """Each replica's health, requests in flight and requests routed to it."""
         return _json({"replicas": [r.describe() for r in pool.replicas.values()]})
 
-    @app.route("/v1/<path:rest>", methods=["GET", "POST", "DELETE"])
+    @app.route("/v1/<path:rest>", methods=["GET", "POST", "DELETE", "OPTIONS"])
     async def forward(rest: str) -> Response:
         path = "/v1/" + rest
         raw = await request.get_data(cache=False)
