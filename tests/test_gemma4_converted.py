@@ -130,3 +130,45 @@ def test_mlx4_matches_transformers_on_its_numbers(checkpoints: tuple[Path, Path]
     monkeypatch.setattr(cpu_qgemm, "supported", lambda weight: False)
     exact = load(mlx_dir, device="cpu", with_tokenizer=False, probe_rows=None).model
     assert np.abs(logits(exact) - want).max() <= 1e-3
+
+
+def _gemma_style_tokenizer(out: Path) -> int:
+    """A small BPE tokenizer shaped as Gemma's (SentencePiece-style spaces, byte fallback),
+    which llama.cpp's Gemma 4 converter requires; returns its vocab size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{i:02X}>" for i in range(256))]
+    text = ["The quick brown fox jumps over the lazy dog.", "What is the weather in Paris?"]
+    tok.train_from_iterator(text * 20, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                           special_tokens=specials))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>")])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+        "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}))
+    return tok.get_vocab_size(True)
+
+
+def test_gguf_from_llama_cpp_is_refused_by_name(tmp_path: Path) -> None:
+    """llama.cpp's converter writes Gemma 4 (per-layer kv heads, .scale tensors, its own
+    tokenizer model); slotserve does not read that yet and says so at load."""
+    from converted import to_gguf
+
+    from slotserve.model.errors import UnsupportedModelError
+
+    vocab = _gemma_style_tokenizer(tmp_path)
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        layer_types=[S, F], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_k_eq_v=True, hidden_size_per_layer_input=0, max_position_embeddings=256,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, **GLOBAL)
+    transformers.Gemma4ForCausalLM(cfg).float().save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**written, **GLOBAL}))
+    with pytest.raises(UnsupportedModelError, match="gemma4 GGUF files are not read yet"):
+        load(to_gguf(tmp_path, "f32"), device="cpu", with_tokenizer=False)

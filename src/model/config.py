@@ -139,6 +139,12 @@ def gguf_rope_scaling(get: Callable[..., Any], rope_freqs: Any, source: str
     return rope
 
 
+def _first(v: Any) -> Any:
+    """A value llama.cpp may write once per layer (Gemma 4's kv heads and MLP widths): the
+    first layer's; a family whose layers differ reads the whole array itself."""
+    return v[0].item() if isinstance(v, mx.array) and v.ndim == 1 else v
+
+
 def config_from_gguf(meta: dict[str, Any], family: ConfigFamily, source: str,
                      rope_freqs: Any = None) -> ModelConfig:
     """Build the family's config from GGUF metadata (values are str/list or 0-d arrays);
@@ -159,9 +165,9 @@ def config_from_gguf(meta: dict[str, Any], family: ConfigFamily, source: str,
         hidden_size=hidden,
         num_layers=int(get(p + "block_count")),
         num_heads=heads,
-        num_kv_heads=int(get(p + "attention.head_count_kv", heads)),
+        num_kv_heads=int(_first(get(p + "attention.head_count_kv", heads))),
         head_dim=int(get(p + "attention.key_length") or hidden // heads),
-        intermediate_size=int(get(p + "feed_forward_length", 0)),
+        intermediate_size=int(_first(get(p + "feed_forward_length", 0))),
         vocab_size=int(n_vocab),
         rms_norm_eps=float(get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get(p + "rope.freq_base", 10000.0)),

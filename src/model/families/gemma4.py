@@ -160,8 +160,10 @@ class Config(ModelConfig):
 
     @classmethod
     def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
-        raise UnsupportedModelError("gemma4 GGUF files are not supported yet; supported: "
-                                    "Hugging Face safetensors directories (and MLX 4-bit)")
+        raise UnsupportedModelError("gemma4 GGUF files are not read yet (their per-layer "
+                                    "head counts, .scale tensors and gemma4 tokenizer); "
+                                    "supported: Hugging Face safetensors directories, bf16 "
+                                    "or float32, and MLX 4/8-bit (mlx_lm.convert)")
 
     def hf_keys(self) -> dict[str, Any]:
         full = [i for i in range(self.num_layers) if not self.is_sliding(i)]
