@@ -23,11 +23,13 @@ from slotserve.actors.messages import Delta
 from slotserve.api.errors import APIError, bad_request, dumps
 from slotserve.api.generation import (
     ChatRun,
+    ReplyEvent,
     chat_prompt,
     engine_failure,
     start_chat,
     stream_response,
 )
+from slotserve.api.reasoning import ReasoningPiece
 from slotserve.api.schemas import (
     AnthropicMessage,
     CountTokensBody,
@@ -38,7 +40,7 @@ from slotserve.api.schemas import (
 )
 from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
-from slotserve.api.tool_formats import ArgumentsPiece, CallClosed, CallEvent, CallOpened, TextPiece
+from slotserve.api.tool_formats import ArgumentsPiece, CallClosed, CallOpened, TextPiece
 from slotserve.api.tools import ToolChoice
 
 PATH = "/v1/messages"
@@ -180,12 +182,15 @@ class Blocks:
     def __init__(self) -> None:
         self.index = -1
         self.open = False
+        self.kind = ""  # the open block's type
         self.pending = ""
         self.calls = 0
 
     def text(self, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
         if not text:
             return
+        if self.open and self.kind == "thinking":  # the answer follows the reasoning
+            yield from self.close()
         if not self.open:
             self.pending += text
             if not self.pending.strip():
@@ -194,6 +199,16 @@ class Blocks:
             yield from self._start({"type": "text", "text": ""})
         yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
                                       "delta": {"type": "text_delta", "text": text}}
+
+    def thinking(self, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Reasoning: one thinking block, before the answer's blocks."""
+        if not text:
+            return
+        if not (self.open and self.kind == "thinking"):
+            yield from self.close()
+            yield from self._start({"type": "thinking", "thinking": "", "signature": ""})
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "thinking_delta", "thinking": text}}
 
     def open_call(self, call: CallOpened) -> Iterator[tuple[str, dict[str, Any]]]:
         """A tool_use block; its input follows as the model writes it (`arguments`)."""
@@ -227,6 +242,7 @@ class Blocks:
     def _start(self, block: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
         self.index += 1
         self.open = True
+        self.kind = block["type"]
         yield "content_block_start", {"type": "content_block_start", "index": self.index,
                                       "content_block": block}
 
@@ -244,10 +260,12 @@ class Answer:
     def finish(self) -> list[tuple[str, dict[str, Any]]]:
         return self._emit(self.run.finish()) + list(self.blocks.finish())
 
-    def _emit(self, events: list[CallEvent]) -> list[tuple[str, dict[str, Any]]]:
+    def _emit(self, events: list[ReplyEvent]) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         for e in events:
-            if isinstance(e, TextPiece):
+            if isinstance(e, ReasoningPiece):
+                out += self.blocks.thinking(e.text)
+            elif isinstance(e, TextPiece):
                 out += self.blocks.text(e.text)
             elif isinstance(e, CallOpened):
                 out += self.blocks.open_call(e)
@@ -327,11 +345,14 @@ def _apply(events: list[tuple[str, dict[str, Any]]], content: list[dict[str, Any
             text_of[ev["index"]] = []
         elif kind == "content_block_delta":
             delta = ev["delta"]
-            text_of[ev["index"]].append(delta.get("text", delta.get("partial_json", "")))
+            text_of[ev["index"]].append(delta.get("text", delta.get(
+                "partial_json", delta.get("thinking", ""))))
         elif kind == "content_block_stop":
             block, text = content[ev["index"]], "".join(text_of[ev["index"]])
             if block["type"] == "text":
                 block["text"] = text
+            elif block["type"] == "thinking":
+                block["thinking"] = text
             else:
                 block["input"] = json.loads(text) if text else {}
 

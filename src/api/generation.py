@@ -36,6 +36,7 @@ from slotserve.api.completion_bodies import LogprobFormatter, ResponseIds
 from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
 from slotserve.api.limits import chat_texts, refuse_unfit
+from slotserve.api.reasoning import ReasoningPiece, ReasoningSplitter, prompt_opens_thinking
 from slotserve.api.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -267,19 +268,38 @@ class ChatRun:
     stream: AsyncGenerator[Delta, None]
     parser: CallParser | None
     prompt_ids: list[int]
+    splitter: ReasoningSplitter | None = None  # for a template that writes <think> blocks
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
-    def events(self, text: str) -> list[CallEvent]:
-        """Generated text -> text and tool-call events (all text when no tools are on)."""
-        if self.parser is None:
-            return [TextPiece(text)] if text else []
-        return self.parser.feed(text)
+    def events(self, text: str) -> list[ReplyEvent]:
+        """Generated text -> reasoning, text and tool-call events (tool calls are read from
+        the answer text, and only when tools are on)."""
+        pieces = self.splitter.feed(text) if self.splitter is not None else [TextPiece(text)]
+        return self._calls(pieces)
 
-    def finish(self) -> list[CallEvent]:
-        return self.parser.finish() if self.parser is not None else []
+    def finish(self) -> list[ReplyEvent]:
+        out = self._calls(self.splitter.finish()) if self.splitter is not None else []
+        return out + (self.parser.finish() if self.parser is not None else [])
+
+    def _calls(self, pieces: list[TextPiece | ReasoningPiece]) -> list[ReplyEvent]:
+        out: list[ReplyEvent] = []
+        for p in pieces:
+            if isinstance(p, ReasoningPiece) or self.parser is None:
+                if p.text:
+                    out.append(p)
+            else:
+                out += self.parser.feed(p.text)
+        return out
+
+
+ReplyEvent = CallEvent | ReasoningPiece
+
+
+def reasoning_of(events: list[ReplyEvent]) -> str:
+    return "".join(e.text for e in events if isinstance(e, ReasoningPiece))
 
 
 def inline_past_calls(messages: list[dict[str, Any]],
@@ -368,7 +388,10 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     session = submit(state, engine, ids, options, "messages")
     stream = open_stream(state, engine, session)
     parser = CallParser(state.call_syntax) if tools and choice.mode != "none" else None
-    return ChatRun(engine, session, stream, parser, ids)
+    splitter = None
+    if state.template_thinks:  # the template may have opened the block in the prompt
+        splitter = ReasoningSplitter(prompt_opens_thinking(engine.tokenizer.decode(ids[-8:])))
+    return ChatRun(engine, session, stream, parser, ids, splitter)
 
 
 def clamp_max_tokens(engine: Engine, ids: list[int], options: dict[str, Any]) -> dict[str, Any]:
@@ -391,8 +414,11 @@ async def chat(state: AppState, req: ChatRequest) -> Response:
     if req.stream:
         return stream_response(_chat_events(state, req, run, fmt, rid))
     text, lps, final = await _collect(stream)
-    text, calls = split_calls(run.events(text) + run.finish())
+    events = run.events(text) + run.finish()
+    text, calls = split_calls([e for e in events if not isinstance(e, ReasoningPiece)])
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning_of(events):
+        message["reasoning_content"] = reasoning_of(events)
     reason = final.finish_reason
     if calls:
         message["content"] = text if text.strip() else None
@@ -431,12 +457,15 @@ async def _chat_events(state: AppState, req: ChatRequest, run: ChatRun,
         pending.clear()
         return out
 
-    def emit(events: list[CallEvent]) -> list[bytes]:
-        """Text as content chunks; a call's name, then its arguments as they were written."""
+    def emit(events: list[ReplyEvent]) -> list[bytes]:
+        """Text as content chunks (reasoning as reasoning_content chunks); a call's name, then
+        its arguments as they were written."""
         nonlocal n_calls
         out = []
         for e in events:
-            if isinstance(e, TextPiece) and e.text:
+            if isinstance(e, ReasoningPiece):
+                out.append(event(ids.chat_chunk({"reasoning_content": e.text})))
+            elif isinstance(e, TextPiece) and e.text:
                 out.append(event(ids.chat_chunk({"content": e.text}, logprobs=lps())))
             elif isinstance(e, CallOpened):
                 n_calls += 1

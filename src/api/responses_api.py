@@ -8,6 +8,8 @@ message item for the text and a function_call item per call; streamed, it is the
 sequence the official SDK's `client.responses.stream` and Codex read:
 
     response.created, response.in_progress,
+    reasoning:   response.output_item.added, response.reasoning_text.delta...,
+                 response.reasoning_text.done, response.output_item.done
     per message: response.output_item.added, response.content_part.added,
                  response.output_text.delta..., response.output_text.done,
                  response.content_part.done, response.output_item.done
@@ -33,11 +35,13 @@ from slotserve.actors.messages import Delta, Usage
 from slotserve.api.errors import APIError, dumps, json_response
 from slotserve.api.generation import (
     ChatRun,
+    ReplyEvent,
     engine_failure,
     start_chat,
     stream_response,
     tenant,
 )
+from slotserve.api.reasoning import ReasoningPiece
 from slotserve.api.response_store import MAX_RESPONSES
 from slotserve.api.schemas import ResponsesRequest
 from slotserve.api.sse import KEEPALIVE, with_keepalive
@@ -45,7 +49,6 @@ from slotserve.api.state import AppState
 from slotserve.api.tool_formats import (
     ArgumentsPiece,
     CallClosed,
-    CallEvent,
     CallOpened,
     TextPiece,
 )
@@ -89,12 +92,17 @@ class Output:
         self.items: list[dict[str, Any]] = []
         self.pending = ""
         self._message: int | None = None  # index of the open message item
+        self._thinking: int | None = None  # index of the open reasoning item
         self._parts: dict[int, list[str]] = {}
         self.calls = 0
 
-    def feed(self, events: list[CallEvent]) -> list[dict[str, Any]]:
+    def feed(self, events: list[ReplyEvent]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for e in events:
+            if isinstance(e, ReasoningPiece):
+                out += self._reasoning(e.text)
+                continue
+            out += self._close_reasoning()
             if isinstance(e, TextPiece):
                 out += self._text(e.text)
             elif isinstance(e, CallOpened):
@@ -124,11 +132,42 @@ class Output:
                          "item": dict(item)}]
         return out
 
-    def finish(self) -> list[dict[str, Any]]:
-        """End of the reply: close the open message; a reply of no item at all (empty, or
-        only whitespace) is one message."""
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        """Reasoning text: one reasoning item (its content the text) before the answer."""
         out: list[dict[str, Any]] = []
-        if not self.items:
+        if self._thinking is None:
+            out += self._close_message()
+            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [],
+                    "status": "in_progress"}
+            self.items.append(item)
+            self._thinking = len(self.items) - 1
+            self._parts[self._thinking] = []
+            out.append({"type": "response.output_item.added",
+                        "output_index": self._thinking, "item": dict(item)})
+        index = self._thinking
+        self._parts[index].append(text)
+        return out + [{"type": "response.reasoning_text.delta",
+                       "item_id": self.items[index]["id"], "output_index": index,
+                       "content_index": 0, "delta": text}]
+
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        index = self._thinking
+        if index is None:
+            return []
+        self._thinking = None
+        item = self.items[index]
+        text = "".join(self._parts[index])
+        item.update(content=[{"type": "reasoning_text", "text": text}], status="completed")
+        return [{"type": "response.reasoning_text.done", "item_id": item["id"],
+                 "output_index": index, "content_index": 0, "text": text},
+                {"type": "response.output_item.done", "output_index": index,
+                 "item": dict(item)}]
+
+    def finish(self) -> list[dict[str, Any]]:
+        """End of the reply: close the open item; a reply of no answer item at all (empty,
+        or only whitespace) gets one message."""
+        out: list[dict[str, Any]] = self._close_reasoning()
+        if not any(i["type"] != "reasoning" for i in self.items):
             text, self.pending = self.pending, ""
             out += self._open_message()
             if text:

@@ -21,6 +21,7 @@ import structlog
 from slotserve.api.errors import APIError
 from slotserve.api.keys import APIKeys
 from slotserve.api.metrics import Metrics
+from slotserve.api.reasoning import template_thinks
 from slotserve.api.response_store import ResponseStore
 from slotserve.api.tool_formats import HERMES, CallSyntax, syntax_for_template
 from slotserve.engine import Engine, EngineConfig
@@ -70,6 +71,7 @@ class AppState:
         self.draining = False
         self.template_lists_tools = False
         self.template_renders_calls = False
+        self.template_thinks = False  # the template writes <think> reasoning blocks
         self.call_syntax: CallSyntax = HERMES
         self.special_ids: dict[str, int] = {}  # the vocabulary's special tokens by text
         self.grammars: OrderedDict[str, Grammar] = OrderedDict()  # compiled tool grammars
@@ -111,6 +113,7 @@ class AppState:
         source = engine.template.source
         self.template_lists_tools = "tools" in source
         self.template_renders_calls = "tool_calls" in source
+        self.template_thinks = template_thinks(source)
         self.call_syntax = syntax_for_template(None if engine.template.is_default else source)
         self.special_ids = dict(engine.tokenizer.special_tokens)
         log.info("tool calls", syntax=self.call_syntax.name)
