@@ -23,6 +23,8 @@
  * for slot table t; row_table[r] = which table row r reads (-1: padding row -> 0).
  * Row r's query heads start at q + r * q_stride (so q may sit inside a fused QKV row).
  */
+#include <math.h>
+
 #include "vec.h"
 
 enum { BLOCK = 128, TILE_ROWS = 4, MAX_CHUNKS = 32, KEY_BLOCK = 64 };
