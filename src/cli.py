@@ -66,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return parallel.worker_main(args.model, args.device, ranks)
         # started alone: this process is rank 0 and starts the others (under mlx.launch,
         # the launcher started them)
+        argv = getattr(args, "argv", None)
         workers = ([] if parallel.launched_size() > 1
                    else parallel.launch(ranks, args.device, sys.argv[1:]))
         try:
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_format, args.log_level)
     return int(args.fn(args) or 0)
 
+    args.argv = argv  # the other ranks of --tensor-parallel run the same command
+    args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -431,7 +432,22 @@ def launch(size: int, device: str, argv: list[str]) -> list[subprocess.Popen[byt
                                       env=child))
     os.environ.update({k: v for k, v in env.items() if k.startswith(("MLX_", "NCCL_"))},
                       MLX_RANK="0")
+    threading.Thread(target=_watch, args=(procs,), name="slotserve-ranks", daemon=True).start()
     return procs
+
+
+def _watch(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Exit this process (rank 0) when another rank dies: its next collective would wait
+    for that rank for ever, and a supervisor should restart the whole group."""
+    while True:
+        for rank, p in enumerate(procs, start=1):
+            code = p.poll()
+            if code is not None and code != 0:
+                log.error("a tensor-parallel rank died: stopping", rank=rank, code=code)
+                os._exit(1)
+        if all(p.poll() == 0 for p in procs):
+            return
+        time.sleep(0.5)
 
 
 def reap(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
