@@ -81,13 +81,15 @@ class Attention(layers.Attention):
 
     def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], p: str, layer: int,
                  rope: layers.Rope, dtype: mx.Dtype, quant: bool,
-                 biases: tuple[Tensor | None, ...] | None = None, **head_norms: Any) -> None:
+                 biases: tuple[Tensor | None, ...] | None = None, **extra: Any) -> None:
+        """extra: what layers.Attention takes beyond llama's (Qwen3's head norms, gpt-oss's
+        sinks); biases: the (q, k, v, o) biases when the family fixes them (Qwen2's)."""
         super().__init__(
             w[f"{p}.q_proj.weight"], w[f"{p}.k_proj.weight"], w[f"{p}.v_proj.weight"],
             w[f"{p}.o_proj.weight"], dtype, quant, layer=layer, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=cfg.attn_scale, rope=rope,
             window=window(cfg, layer),
-            biases=attention_biases(cfg, w, p) if biases is None else biases, **head_norms,
+            biases=attention_biases(cfg, w, p) if biases is None else biases, **extra,
         )
 
 
