@@ -68,7 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # the launcher started them)
         argv = getattr(args, "argv", None)
         workers = ([] if parallel.launched_size() > 1
-                   else parallel.launch(ranks, args.device, sys.argv[1:]))
+                   else parallel.launch(ranks, args.device,
+                                        sys.argv[1:] if argv is None else argv))
         try:
             return serve_main(args)
         finally:
@@ -215,11 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the other ranks of --tensor-parallel run the same command
     configure_logging(args.log_format, args.log_level)
     return int(args.fn(args) or 0)
 
-    args.argv = argv  # the other ranks of --tensor-parallel run the same command
-    args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")
 
 if __name__ == "__main__":
     sys.exit(main())
