@@ -186,3 +186,49 @@ def test_unsupported_rope_scaling_is_refused() -> None:
     assert gguf_rope_scaling(lambda k, d=None: {"rope.scaling.type": "linear",
                                                 "rope.scaling.factor": 2.0}.get(k, d),
                              None, "m.gguf") == {"rope_type": "linear", "factor": 2.0}
+
+
+# --- every type, tensor by tensor, against the gguf package's own dequantization -----------
+
+# llama-quantize's types whose tensors slotserve reads each way: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0,
+# Q4_K/Q5_K (codes as stored) and Q2_K/Q3_K/Q6_K/IQ4_NL/IQ4_XS (requantized to 8-bit)
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "IQ4_XS",
+               "IQ4_NL")
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_every_tensor_reads_as_gguf_dequantizes_it(qtype: str) -> None:
+    """Each tensor as slotserve holds it, dequantized, against gguf-py's dequantization of the
+    same bytes: equal up to the float16 rounding of the K-quants' per-block scales
+    (lossless types) or within one step of the 8-bit requantization (the others)."""
+    from gguf import quants as gguf_quants
+
+    from slotserve.model import gguf
+
+    path = quantize(to_gguf(tiny_hf("llama", K_QUANT_SHAPE, row_spread=1.0), "f16"), qtype)
+    header = gguf.read_header(path)
+    with capture_logs() as logs:
+        tensors = gguf.read_tensors(path, header)
+    data = np.memmap(path, np.uint8, mode="r")
+    seen = set()
+    for info in header.tensors:
+        if info.kind.name in ("F32", "F16"):
+            continue
+        seen.add(info.kind.name)
+        block, size = gguf.GGML_QUANT_SIZES[info.kind]
+        raw = data[info.offset: info.offset + info.shape[0] * info.shape[1] // block * size]
+        want = gguf_quants.dequantize(np.asarray(raw).reshape(info.shape[0], -1), info.kind)
+        base = info.name.removesuffix(".weight")
+        w, s, b = (tensors[f"{base}.{p}"] for p in ("weight", "scales", "biases"))
+        bits = w.shape[-1] * 32 // (s.shape[-1] * gguf.GROUP)
+        got = np.array(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
+                                     group_size=gguf.GROUP, bits=bits))
+        step = np.abs(want).reshape(want.shape[0], -1, gguf.GROUP).max(-1).repeat(gguf.GROUP, 1)
+        lossless = info.kind in gguf._EXACT
+        # the float16 rounding of the K-quants' scales d * sc and biases -dmin * m (exact for
+        # the other lossless types); about one 8-bit step for the requantized ones
+        bound = step * (2.0**-9 if lossless else 0.02)
+        assert np.all(np.abs(got - want) <= bound + 1e-12), (info.name, info.kind.name)
+    read = next(e for e in logs if e["event"] == "gguf tensors read")
+    assert seen and all(any(k.startswith(t) for k in (*read["lossless"], *read["requantized"]))
+                        for t in seen), (seen, read)

@@ -14,7 +14,8 @@ Tensor data is read through a memory map. What each type becomes:
   legacy types' d). These are the layouts the CPU and GPU quantized matmuls take.
 - Every other type the `gguf` package dequantizes (Q2_K, Q3_K, Q6_K, the IQ and TQ types,
   MXFP4, ...): dequantized by it once at load and requantized to MLX affine 8-bit, group 32
-  (error at most 1/510 of each 32-weight group's range, far inside the source's own).
+  (error within about one 8-bit step and the float16 rounding of its scale and bias: under
+  2% of each 32-weight group's largest magnitude, where Q6_K's own step is 3%).
 - Anything else is refused, naming the types that load.
 
 The result is shaped as `mx.load` gives GGUF (`<name>.weight` / `.scales` / `.biases`
