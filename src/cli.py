@@ -104,7 +104,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotserve", description=__doc__)
     p.add_argument("--log-format", choices=["console", "json"], default="console")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default=None,
+                   help="default: info for serve (one access-log line per request), "
+                        "warning for the other commands")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
@@ -217,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # the other ranks of --tensor-parallel run the same command
+    args.log_level = args.log_level or ("info" if args.command == "serve" else "warning")
     configure_logging(args.log_format, args.log_level)
     return int(args.fn(args) or 0)
 
