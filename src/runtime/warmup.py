@@ -8,9 +8,10 @@ the first requests' steps (issue 18 measured a first 8-stream batch at 17.7 s ag
 1.4 s warm). `warm_up` runs a few real steps through the runner at load instead, on KV
 of its own that it releases after: a prefill of several segments and one of more than a
 KV page, then decode steps at the row counts whose kernels differ (the fused-norm
-launches of 1-4 rows, more rows, a batch of 8) until each is compiled, every step
-sampling with a mix of the sampler's knobs (greedy, top_p, top_k, min_p, penalties,
-bias, logprobs) so the device sampler's kernels are compiled too.
+launches of 1-4 rows, more rows, a batch of 8, and the first row count whose attention
+no longer stages K/V) until each is compiled, every step sampling with a mix of the
+sampler's knobs (greedy, top_p, top_k, min_p, penalties, bias, logprobs) so the device
+sampler's kernels are compiled too.
 
 The tokens it produces are thrown away and nothing it leaves behind changes a request's
 bits: the pages go back to the pool, and traces are the same computation as the plain
@@ -25,6 +26,7 @@ from typing import Any
 import structlog
 
 from slotserve.kernels.attention import BLOCK
+from slotserve.kernels.cuda.launch import attention_staged
 from slotserve.runtime.runner import ModelRunner, RowWork
 from slotserve.runtime.sampling import RowState, SamplingParams
 
@@ -39,6 +41,8 @@ KNOBS = (
                    presence_penalty=0.1, logit_bias={0: -1.0}, seed=3),
 )
 DECODE_ROWS = (1, 2, 3, 4, 5, 8)  # q4_matmul's fused norm is per row count up to 4
+# and the first decode row count whose attention launch no longer stages K/V (if the slots
+# reach it): rope_write + paged_attention unstaged instead of rope_attention
 DECODE_STEPS = 3  # CompiledDecode traces a shape's second step in a row; the third replays
 
 
@@ -52,7 +56,9 @@ def warm_up(runner: ModelRunner, model: Any, max_rows: int) -> dict[str, Any]:
     prompts = [[(7 * i + j) % vocab for j in range(5 + 3 * i)] for i in range(3)]
     prompts.append([(11 * j + 1) % vocab for j in range(BLOCK + 9)])
     steps += _run(runner, model, prompts, decode=1)
-    for rows in (r for r in DECODE_ROWS if r <= max_rows):
+    heads = model.config.num_kv_heads
+    unstaged = next((r for r in range(1, max_rows + 1) if not attention_staged(r, heads)), None)
+    for rows in sorted({r for r in DECODE_ROWS if r <= max_rows} | {unstaged or 1}):
         steps += _run(runner, model, [[(3 * i + j) % vocab for j in range(4 + i)]
                                       for i in range(rows)], decode=DECODE_STEPS)
     runner.forget_speculation()  # its rows' KV is released
