@@ -137,13 +137,14 @@ def test_rows_in_a_mixed_batch_get_their_solo_bits(model: Any) -> None:
         assert mx.array_equal(together[i], alone[i]), i
 
 
-def test_canonical_states_are_marked_at_page_boundaries(model: Any) -> None:
+def test_canonical_states_are_marked_at_page_boundaries_and_the_last(model: Any) -> None:
     kv = model.new_kv()
     kv.recurrent.keep_marks = True
     n = 300
     tokens = (PROMPT * 2)[:n]
     model(mx.array(tokens), Batch.build([(kv, 0, n)]), [n - 1])
-    assert sorted(kv.recurrent.marks) == [128, 256]
+    # page boundaries, and 288: where the chunked form stopped (288..299 ran recurrently)
+    assert sorted(kv.recurrent.marks) == [128, 256, 288]
     assert kv.recurrent.snapshot(128) is not None
     # a cold prefill of the first page ends in the very state marked there
     cold = model.new_kv()

@@ -135,8 +135,9 @@ def test_continuation_from_a_snapshot_equals_cold(harness: EngineHarness) -> Non
     warm = harness.call(lambda: engine.complete(prompt, max_tokens=16, temperature=0.0,
                                                 ignore_eos=True))
     n1 = len(engine.render_chat(first))
-    # resumed from the deepest snapshot (every 2 pages) inside turn 1's prefill
-    assert warm.usage.reused_tokens == (n1 // (2 * BLOCK)) * 2 * BLOCK > 0
+    # resumed where turn 1's chunked prefill stopped (its last whole sub-chunk), from the
+    # state turn 1 left with its last page
+    assert warm.usage.reused_tokens == (n1 // deltanet.CHUNK) * deltanet.CHUNK > 2 * BLOCK
     engine.drop_retained()
     cold = harness.call(lambda: engine.complete(prompt, max_tokens=16, temperature=0.0,
                                                 ignore_eos=True))

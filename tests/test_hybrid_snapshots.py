@@ -14,6 +14,7 @@ import pytest
 
 from slotserve.actors.kv_cache import KVCache
 from slotserve.actors.state_snapshots import StateSnapshots
+from slotserve.kernels.attention import BLOCK
 from slotserve.model.layers import Batch
 from slotserve.model.loader import load
 
@@ -61,16 +62,18 @@ def test_snapshots_every_interval_and_a_resume_equals_cold(model: Any) -> None:
     cache = _cache(model)
     snaps = cache.snapshots
     assert snaps is not None
-    _serve(model, cache, TOKENS[:600], NS)
+    _serve(model, cache, TOKENS[:600], NS)  # chunks of 96: the last, 576..599, recurrent
     assert len(snaps.states) == 2  # at 256 and 512 (every 2 pages), none at 128 or 384
+    assert list(snaps.tails.values())[0][0] == 576  # the deepest, in the tail page
     # each costs its bytes in pages, counted resident (what the budget bounds), never held
     kv = model.new_kv()
     assert snaps.cost == -(-kv.recurrent.shape.nbytes // kv.pool.page_bytes)
     pages = cache.pool.ids - cache.pool.free_count
-    assert cache.resident == pages + 2 * snaps.cost
+    assert cache.resident == pages + 3 * snaps.cost
     assert cache.held == pages - len(cache.idle)
     match, warm = _serve(model, cache, TOKENS, NS)
-    assert match.tokens == 512 and match.state is not None and snaps.taken == 1
+    assert match.tokens == 576 and match.state is not None and snaps.taken == 1
+    assert match.tail is not None and match.tail not in snaps.tails  # taken over
     _, cold = _serve(model, _cache(model), TOKENS, NS)
     assert mx.array_equal(warm, cold)
 
@@ -79,8 +82,10 @@ def test_a_resume_cuts_the_page_match_to_its_deepest_snapshot(model: Any) -> Non
     cache = _cache(model, interval=4)
     _serve(model, cache, TOKENS[:500], NS)  # three full pages, no snapshot (every 4 pages)
     assert cache.snapshots is not None and not cache.snapshots.states
-    assert cache._lookup_pages(TOKENS, NS).tokens == 500  # its pages and its tail
-    match, _ = _serve(model, cache, TOKENS, NS)
+    assert list(cache.snapshots.tails.values())[0][0] == 480
+    other = TOKENS[:450] + [(t + 1) % 320 for t in TOKENS[450:]]  # parts ways before 480
+    assert cache._lookup_pages(other, NS).tokens >= 3 * BLOCK  # its full pages (and more)
+    match, _ = _serve(model, cache, other, NS)
     assert match.tokens == 0 and match.pages == []  # pages alone are no use: cold
 
 

@@ -172,7 +172,11 @@ class KVCache:
         to be fed (its logits choose the next token); with state snapshots, the longest
         that ends at one (`StateSnapshots.trim`)."""
         match = self._lookup_pages(tokens, namespace)
-        return match if self.snapshots is None else self.snapshots.trim(match)
+        if self.snapshots is None or namespace is None:
+            return match
+        parent = match.keys[-1] if match.keys else root_key(namespace)
+        tails = {p: w for p, w in self.tails.get(parent).items() if p in self.idle}
+        return self.snapshots.trim(match, tokens, tails)
 
     def _lookup_pages(self, tokens: list[int], namespace: CacheNamespace | None) -> Match:
         match = Match()
@@ -273,7 +277,7 @@ class KVCache:
         least recently used idle pages (evicted: their cache entries dropped)."""
         while n > 0 and self.resident + n > budget and self.idle:
             self.evict_one("budget")
-        while n > 0 and self.resident + n > budget and self.snapshots and self.snapshots.states:
+        while n > 0 and self.resident + n > budget and self.snapshots and self.snapshots.any:
             self.snapshots.evict_one()  # snapshots of pages still held: shallower ones stay
         return self.pool.take(n)
 
@@ -319,8 +323,6 @@ class KVCache:
         """A sequence lets go of its KV: published pages nobody else holds become idle; its
         unfinished last page becomes its chain's tail (namespace None: everything freed)."""
         self.publish(kv, ledger, chain)
-        if self.snapshots is not None:
-            self.snapshots.finish(kv)  # type: ignore[arg-type]
         pages = kv.pages
         kv.set_pages([])
         full = len(ledger) // BLOCK
@@ -328,6 +330,11 @@ class KVCache:
             self.writing.remove(pages[full])
             if chain.namespace is not None:
                 self.tails.add(chain.last_key(), pages[full], list(ledger[full * BLOCK :]))
+                if self.snapshots is not None:
+                    self.snapshots.tail(kv, pages[full], full * BLOCK,  # type: ignore[arg-type]
+                                        len(ledger))
+        if self.snapshots is not None:
+            self.snapshots.finish(kv)  # type: ignore[arg-type]
         for p in self.pool.drop(pages):
             self._settle(p)
 
@@ -339,4 +346,6 @@ class KVCache:
                 self.snapshots.drop(key)
         self.full.remove(page)
         self.tails.remove(page)
+        if self.snapshots is not None:
+            self.snapshots.drop_tail(page)
         self.writing.remove(page)

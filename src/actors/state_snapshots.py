@@ -9,13 +9,17 @@ the page. A snapshot is taken only where the state has the bits a cold prefill o
 tokens gives (the model's `canonical` marks), so a continuation resumed from it computes
 every later position exactly as the same prompt prefilled cold.
 
-A lookup keeps the deepest snapshot inside the pages it matched and trims the match there
-(no tail page, no partial copy: the state must start at the snapshot). Snapshots count as
-resident memory in the budget (`pages`: each costs the page-equivalents of its bytes, never
-committed to a running request) and are dropped with their page, or on their own (least
-recently used first) when the budget needs room and no idle page is left. Everything here
-runs on the event loop; the arrays are MLX values made by earlier steps (already evaluated)
-and only referenced here.
+A finished sequence also leaves the deepest canonical state inside its unfinished last
+page (the cache's *tail* of its chain: where its prompt's chunked prefill stopped, e.g. an
+agent's previous turn), kept with that tail page. A lookup whose tokens agree with such a
+tail up to that state takes the page over and resumes there (what was written past it is
+recomputed); otherwise it keeps the deepest page snapshot inside the pages it
+matched and trims the match there (no tail, no partial copy: the state starts there).
+Snapshots count as resident memory in the budget (`pages`: each costs the page-equivalents
+of its bytes, never committed to a running request) and are dropped with their page, or on
+their own (least recently used first, tails last) when the budget needs room and no idle
+page is left. Everything here runs on the event loop; the arrays are MLX values made by
+earlier steps (already evaluated) and only referenced here.
 """
 
 from __future__ import annotations
@@ -49,17 +53,39 @@ class StateSnapshots:
         self.interval = interval
         self.cost = max(1, -(-snapshot_bytes // page_bytes))  # pages a snapshot stands for
         self.states: OrderedDict[Key, list[Any]] = OrderedDict()  # LRU first
+        # tail page -> (position, states): a finished sequence's deepest canonical state
+        self.tails: OrderedDict[int, tuple[int, list[Any]]] = OrderedDict()
         self.taken = 0  # snapshots a lookup resumed from (stats, tests)
 
     @property
     def pages(self) -> int:
         """The budget pages the snapshots take."""
-        return len(self.states) * self.cost
+        return (len(self.states) + len(self.tails)) * self.cost
 
-    def trim(self, match: Any) -> Any:
-        """Cut a Match (slotserve.actors.kv_cache) to its deepest snapshot: the pages up to
-        there, that snapshot in `match.state` (None: start cold, nothing reused)."""
-        match.tail, match.copy = None, None
+    def trim(self, match: Any, tokens: list[int], tails: dict[int, list[int]]) -> Any:
+        """Cut a Match (slotserve.actors.kv_cache) of `tokens` to its deepest state: a tail
+        state among `tails` (the idle tail pages past its full pages, with the tokens
+        written in each) that `tokens` agree with, else the deepest page snapshot; the
+        pages up to there, that state in `match.state` (None: start cold)."""
+        match.copy = None
+        if match.tail is not None:
+            match.pages, match.tail = match.pages[:-1], None
+        full = len(match.keys) * BLOCK
+        best: tuple[int, int, list[Any]] | None = None
+        for page, written in tails.items():
+            got = self.tails.get(page)
+            if got is None:
+                continue
+            pos, states = got
+            if (full <= pos < len(tokens) and (best is None or pos > best[0])
+                    and written[: pos - full] == tokens[full:pos]):
+                best = (pos, page, states)
+        if best is not None:
+            pos, page, states = best
+            self.tails.move_to_end(page)
+            match.pages.append(page)
+            match.tail, match.tokens, match.state = page, pos, states
+            return match
         depth = len(match.keys)
         while depth > 0 and match.keys[depth - 1] not in self.states:
             depth -= 1
@@ -84,11 +110,22 @@ class StateSnapshots:
         end = (page_index + 1) * BLOCK
         marks = kv.recurrent.marks
         states = kv.recurrent.snapshot(end)
-        for pos in [p for p in marks if p <= end]:
+        for pos in [p for p in marks if p < end]:
             del marks[pos]
         if states is not None and (page_index + 1) % self.interval == 0 \
                 and key not in self.states:
             self.states[key] = states
+            del marks[end]  # (else kept: it may yet be the sequence's deepest, see `tail`)
+
+    def tail(self, kv: Stateful, page: int, start: int, end: int) -> None:
+        """kv's sequence finished with `page` (positions `start`..`end`-1 written) as its
+        chain's tail: keep its deepest canonical state in there with that page."""
+        rec = kv.recurrent
+        found = [p for p in rec.marks
+                 if start <= p <= end and rec.snapshot(p) is not None]
+        if found:
+            pos = max(found)
+            self.tails[page] = (pos, rec.snapshot(pos))
 
     def finish(self, kv: Stateful) -> None:
         """The sequence let go: its live state is no longer needed."""
@@ -98,5 +135,16 @@ class StateSnapshots:
     def drop(self, key: Key) -> None:
         self.states.pop(key, None)
 
+    def drop_tail(self, page: int) -> None:
+        self.tails.pop(page, None)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.states or self.tails)
+
     def evict_one(self) -> None:
-        self.states.popitem(last=False)
+        """The least recently used page snapshot; tails (the deepest states) last."""
+        if self.states:
+            self.states.popitem(last=False)
+        else:
+            self.tails.popitem(last=False)

@@ -91,8 +91,9 @@ class RecurrentState:
 
     shape: StateShape
     versions: list[dict[int, LayerState]] = field(default_factory=list)
-    # position (a page boundary) -> every layer's canonical state there; kept only where
-    # a prefix cache takes them (`keep_marks`), else a long prompt would hold one per page
+    # position (a page boundary, or the last one chunked prefill reached) -> every layer's
+    # canonical state there; kept only where a prefix cache takes them (`keep_marks`), which
+    # drops each once the page past it is published
     marks: dict[int, list[LayerState | None]] = field(default_factory=dict)
     keep_marks: bool = False
 
@@ -406,17 +407,17 @@ class GatedDeltaNet(Layer):
             o, states = chunked(ssm, q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])
             outs.append(o)
             ssm = states[-1]
-            if canonical:
+            if canonical:  # page boundaries, and where the chunked form stops short of end
                 for i, s in enumerate(states):
                     pos = first + (i + 1) * CHUNK
-                    if pos % BLOCK == 0 and pos < end:
+                    if pos < end and (pos % BLOCK == 0 or pos == last):
                         mark = LayerState(window(pos), s, True)
                         rec.mark(self.index, pos, mark)
                         batch.effects.extend([mark.conv, mark.ssm])
         ssm = recur(last, end, ssm)
         new = LayerState(window(end), ssm, canonical and last == end)
         rec.put(self.index, end, new)
-        if new.canonical and end % BLOCK == 0:
+        if new.canonical:
             rec.mark(self.index, end, new)
         batch.effects.extend([new.conv, new.ssm])
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
