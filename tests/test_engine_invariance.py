@@ -298,13 +298,15 @@ def test_cancel_mid_stream_frees_slot_and_budget(harness: EngineHarness) -> None
             if seen >= 3:
                 break  # leaving the loop cancels the request
         busy_before = engine.kv_summary()["busy"]
-        t0 = time.perf_counter()
+        assert engine.batcher is not None
+        steps = engine.batcher.stats.steps
         while any(s.busy for s in engine.slots):
             await anyio.sleep(0.005)
-        return busy_before, int((time.perf_counter() - t0) * 1000)
+        # freed once the step in flight (and one more planned) answered, not at max_tokens
+        return busy_before, engine.batcher.stats.steps - steps
 
-    _busy_before, waited_ms = harness.call(scenario)
-    assert waited_ms < 1000
+    _busy_before, steps_after = harness.call(scenario)
+    assert steps_after <= 2
     assert engine.kv_summary()["busy"] == 0
     assert engine.kv_summary()["running"] == 0
 
