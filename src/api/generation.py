@@ -343,6 +343,10 @@ async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, An
         return None
     syntax = state.call_syntax
     if choice.forced:
+        if syntax.whole:  # no grammar of its (not JSON) arguments: refused, never unforced
+            raise bad_request(f"tool_choice {choice.mode!r} cannot be enforced for this "
+                              f"model's tool-call syntax ({syntax.name}); 'auto' and 'none' "
+                              f"are supported", "tool_choice", "unsupported_tool_choice")
         lark = call_grammar(syntax, tools, choice, parallel, state.special_ids)
     else:
         lark = no_call_grammar(syntax)

@@ -14,8 +14,8 @@ arguments' JSON text is passed on as it arrives (the surfaces send them as OpenA
 `tool_calls[i].function.arguments` chunks, Responses `function_call_arguments.delta` and
 Anthropic `input_json_delta`). A call's arguments are the JSON text the model wrote, so the
 streamed pieces and a non-streamed answer (the same parser over the whole text) give the same
-calls byte for byte. Pythonic calls (`[f(a=1)]`) are not JSON: each one is sent whole when its
-closing parenthesis arrives.
+calls byte for byte. Pythonic calls (`[f(a=1)]`) and Gemma 4's
+(`<|tool_call>call:f{a:1}<tool_call|>`) are not JSON: each one is sent whole when it closes.
 
 `call_grammar` is the Lark grammar (llguidance) of one or more calls of the given tools in the
 syntax, each tool's arguments constrained by its JSON schema: with it a forced call is always
@@ -67,6 +67,8 @@ class CallSyntax:
     separators: str = " \n\t\r"
     arguments_key: str = "arguments"
     pythonic: bool = False
+    # a region is parsed whole when it closes (its arguments are not JSON as written)
+    whole: bool = False
 
     def render(self, calls: list[tuple[str, str]]) -> str:
         """(name, arguments JSON) pairs as the model writes them, for a past assistant turn."""
@@ -74,6 +76,9 @@ class CallSyntax:
             return "[" + ", ".join(_pythonic_call(n, a) for n, a in calls) + "]"
         if self.name == "mistral_args":
             return "".join(f"[TOOL_CALLS]{n}[ARGS]{a}" for n, a in calls)
+        if self.name == "gemma4":
+            return "".join(f"<|tool_call>call:{n}{_gemma_value(_loads(a))}<tool_call|>"
+                           for n, a in calls)
         objs = [f'{{"name": {json.dumps(n)}, "{self.arguments_key}": {a}}}' for n, a in calls]
         if self.name == "hermes":
             return "".join(f"{self.opener}\n{o}\n{self.closer}" for o in objs)
@@ -95,13 +100,16 @@ MISTRAL_ARGS = CallSyntax("mistral_args", "[TOOL_CALLS]",
                           head=regex.compile(r"(?:\[TOOL_CALLS\])?(?P<name>[A-Za-z0-9_.\-]{1,256})"
                                              r"(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]"),
                           tail=_NO_TAIL)
-PYTHONIC = CallSyntax("pythonic", None, at_start=("[",), pythonic=True)
-SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, PYTHONIC)}
+PYTHONIC = CallSyntax("pythonic", None, at_start=("[",), pythonic=True, whole=True)
+GEMMA4 = CallSyntax("gemma4", "<|tool_call>", "<tool_call|>", whole=True)
+SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, PYTHONIC, GEMMA4)}
 
 
 def syntax_for_template(source: str | None) -> CallSyntax:
     """The syntax a chat template teaches its model (Hermes when it teaches none)."""
     text = source or ""
+    if "<|tool_call>" in text:
+        return GEMMA4
     if "[TOOL_CALLS]" in text:
         return MISTRAL_ARGS if "[ARGS]" in text else MISTRAL
     if "<tool_call>" in text:
@@ -264,7 +272,7 @@ class CallParser:
             self.raw += syn.opener
             self.buf = self.buf[len(syn.opener):]  # another opener inside the region
             return True
-        if syn.pythonic:
+        if syn.whole:
             self.state = "raw"
             return True
         m = syn.head.match(self.buf, partial=True)
@@ -407,6 +415,8 @@ class CallParser:
             body = body[len(syn.opener):]
         if syn.pythonic:
             return parse_pythonic(body.strip())
+        if syn.name == "gemma4":
+            return parse_gemma4(body)
         try:
             value = json.loads(body.strip())
         except (ValueError, RecursionError):
@@ -426,6 +436,77 @@ class CallParser:
             except ValueError:
                 return []
         return found
+
+
+# ---- Gemma 4 calls ---------------------------------------------------------------------------
+
+_QUOTE = '<|"|>'  # Gemma 4's string quote (one special token); the text inside is raw
+
+
+def parse_gemma4(body: str) -> list[tuple[str, str]]:
+    """`call:NAME{key:value,...}` (one region, between <|tool_call> and <tool_call|>) ->
+    [(NAME, arguments JSON)]; [] if it is not one (see /work/coord/gemma4_tools.md)."""
+    body = body.strip()
+    if not body.startswith("call:") or "{" not in body:
+        return []
+    name, _, rest = body[5:].partition("{")
+    try:
+        value, end = _gemma_parse("{" + rest, 0)
+    except (ValueError, IndexError):
+        return []
+    if not isinstance(value, dict) or rest[end - 1:].strip() or not name:
+        return []
+    return [(name, json.dumps(value, ensure_ascii=False, allow_nan=False))]
+
+
+def _gemma_parse(text: str, i: int) -> tuple[Any, int]:
+    """One value at text[i:] -> (value, index past it)."""
+    if text.startswith(_QUOTE, i):
+        j = text.index(_QUOTE, i + len(_QUOTE))
+        return text[i + len(_QUOTE):j], j + len(_QUOTE)
+    c = text[i]
+    if c in "{[":
+        close = "}" if c == "{" else "]"
+        items: Any = {} if c == "{" else []
+        i += 1
+        while text[i] != close:
+            if c == "{":
+                k = text.index(":", i)
+                key, i = text[i:k], k + 1
+                items[key], i = _gemma_parse(text, i)
+            else:
+                v, i = _gemma_parse(text, i)
+                items.append(v)
+            if text[i] == ",":
+                i += 1
+            elif text[i] != close:
+                raise ValueError(f"expected ',' or {close!r} at {i}")
+        return items, i + 1
+    j = i
+    while j < len(text) and text[j] not in ",}]":
+        j += 1
+    word = text[i:j]
+    literals = {"true": True, "false": False, "null": None}
+    if word in literals:
+        return literals[word], j
+    return json.loads(word), j  # a number (ValueError otherwise)
+
+
+def _gemma_value(value: Any) -> str:
+    if isinstance(value, str):
+        return f"{_QUOTE}{value}{_QUOTE}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_gemma_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_gemma_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def _loads(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
 
 
 # ---- pythonic calls ------------------------------------------------------------------------
@@ -531,8 +612,9 @@ def call_grammar(syntax: CallSyntax, tools: list[dict[str, Any]], choice: ToolCh
         # JSON as models write it, no free whitespace (a small model can loop on newlines)
         schema = {**(fn.get("parameters") or {"type": "object"}), "x-guidance": JSON_STYLE}
         name = fn["name"]
-        if syntax.pythonic:
-            raise ValueError("forcing a tool call is not supported for pythonic tool calls")
+        if syntax.whole:
+            raise ValueError(f"forcing a tool call is not supported for {syntax.name} tool "
+                             f"calls (tool_choice 'auto' and 'none' are)")
         if syntax.name == "mistral_args":
             head = _lark_string(f"{name}") + " " + _terminal("[ARGS]", specials)
             rules.append(f"fn_{i}: {head} args_{i}")
