@@ -807,12 +807,20 @@ class Attention(Layer):
             assert self.k_norm is not None
             qkv = mx.concatenate([self.q_norm(q).reshape(r, -1), self.k_norm(k).reshape(r, -1),
                                   qkv[:, nkv:]], axis=1)
+        return self._rope_attention(qkv, batch)
+
+    def _rope_attention(self, rows: mx.array, batch: Batch) -> mx.array:
+        """cuda.rope_attention of fused q/k/v rows (their K/V written into this layer's pool
+        arrays), kept among the step's effects: its K/V writes must run even if no logits
+        are asked."""
+        pool = batch.pool
+        assert pool is not None and batch.write_rows is not None and batch.cuda is not None
         self.rope.reserve(batch.max_pos)
-        out = cuda.rope_attention(qkv, self.rope.cos, self.rope.sin, batch.write_rows,
+        out = cuda.rope_attention(rows, self.rope.cos, self.rope.sin, batch.write_rows,
                                   pool.keys[self.layer], pool.values[self.layer], *batch.cuda,
                                   self.scale, self.heads, self.kv_heads, self.head_dim,
                                   batch.one_row_per_slot, self.window)
-        batch.effects.append(out)  # its K/V writes must run even if no logits are asked
+        batch.effects.append(out)
         return out
 
     def _write_rotated(self, qkv: mx.array, batch: Batch) -> mx.array:
@@ -932,13 +940,7 @@ class SharedKVAttention(Attention):
                                         self.window).reshape(q.shape[0], -1)
         r = qkv.shape[0]
         rows = mx.concatenate([q.reshape(r, -1), k.reshape(r, -1), v.reshape(r, -1)], axis=1)
-        self.rope.reserve(batch.max_pos)
-        out = cuda.rope_attention(rows, self.rope.cos, self.rope.sin, batch.write_rows,
-                                  pool.keys[self.layer], pool.values[self.layer], *batch.cuda,
-                                  self.scale, self.heads, self.kv_heads, self.head_dim,
-                                  batch.one_row_per_slot, self.window)
-        batch.effects.append(out)  # its K/V writes must run even if no logits are asked
-        return out
+        return self._rope_attention(rows, batch)
 
     def _write_rotated(self, qkv: mx.array, batch: Batch) -> mx.array:
         """q rotated; k rotated and written with v, on a layer that writes K/V."""
