@@ -28,7 +28,7 @@ def fn(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any
             "additionalProperties": False}}}
 
 
-TOOLS = [fn("get_weather", "Weather for a city", {"city": {"type": "string", "maxLength": 24}}),
+TOOLS = [fn("get_weather", "Weather for a city", {"city": {"type": "string", "maxLength": 16}}),
          fn("add", "Add two integers", {"a": {"type": "integer"}, "b": {"type": "integer"}}),
          fn("set_mode", "Set the mode", {"mode": {"enum": ["fast", "slow"]}})]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -76,7 +76,7 @@ def test_forced_calls_are_well_formed_and_schema_valid(client: openai.OpenAI) ->
     def ask(i: int) -> tuple[Any, Any]:
         r = client.chat.completions.create(
             model="m", messages=ASK, tools=TOOLS, tool_choice=choices[i], temperature=1.0,
-            seed=i, max_tokens=40, parallel_tool_calls=False)
+            seed=i, max_tokens=48, parallel_tool_calls=False)
         return choices[i], r.choices[0]
 
     with ThreadPoolExecutor(len(choices)) as pool:

@@ -18,7 +18,9 @@ sequence the official SDK's `client.responses.stream` and Codex read:
                  response.output_item.done
     response.completed (or response.incomplete at max_output_tokens; response.failed)
 
-each event named in an `event:` line and carrying its `sequence_number`.
+each event named in an `event:` line and carrying its `sequence_number`. While nothing is
+generated yet (queued, or a long prefill) the stream repeats response.in_progress every
+keepalive interval: Codex drops a stream that sends no event for 300 s.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from slotserve.api.generation import (
 from slotserve.api.reasoning import ReasoningPiece
 from slotserve.api.response_store import MAX_RESPONSES
 from slotserve.api.schemas import ResponsesRequest
-from slotserve.api.sse import KEEPALIVE, with_keepalive
+from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tool_formats import (
     ArgumentsPiece,
@@ -325,8 +327,9 @@ async def _events(reply: Reply) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(with_keepalive(
             run.stream, reply.state.settings.keepalive_interval)) as items:
         async for d in items:
-            if d is None:
-                yield KEEPALIVE
+            if d is None:  # a heartbeat clients count (Codex ends a stream idle for 300 s,
+                # and SSE comments are no events to it): the response is still in progress
+                yield send({"type": "response.in_progress", "response": snapshot})
                 continue
             if d.finish_reason is not None:
                 final = d
