@@ -239,3 +239,24 @@ def test_every_tensor_reads_as_gguf_dequantizes_it(qtype: str) -> None:
     read = next(e for e in logs if e["event"] == "gguf tensors read")
     assert seen and all(any(k.startswith(t) for k in (*read["lossless"], *read["requantized"]))
                         for t in seen), (seen, read)
+
+
+def test_gemma3_gguf_fields_follow_llama_cpp() -> None:
+    """What llama.cpp derives for Gemma 3 without keys the converter writes: the 27B's query
+    scale (hidden / heads = 168, not its head_dim 128), the 5:1 sliding pattern; what it
+    reads when written: attention.scale, a per-layer pattern, the softcap, the local base."""
+    from slotserve.model.families.gemma3 import FULL, SLIDING, Config
+
+    common = dict(num_layers=62, hidden_size=5376, num_heads=32, head_dim=128)
+    keys: dict[str, Any] = {"attention.sliding_window": 1024}
+    got = Config.gguf_fields(lambda k, d=None: keys.get(k, d), common)
+    assert got["query_pre_attn_scalar"] == 168.0 and got["sliding_window"] == 1024
+    assert got["layer_types"][:6] == [SLIDING] * 5 + [FULL] and got["rope_local_theta"] == 1e4
+    assert Config.gguf_fields(lambda k, d=None: keys.get(k, d),
+                              {**common, "num_layers": 34})["query_pre_attn_scalar"] == 128.0
+    keys.update({"attention.scale": 0.125, "final_logit_softcapping": 30.0,
+                 "rope.freq_base_swa": 5e3,
+                 "attention.sliding_window_pattern": mx.array([True, False] * 31)})
+    got = Config.gguf_fields(lambda k, d=None: keys.get(k, d), common)
+    assert got["query_pre_attn_scalar"] == 64.0 and got["final_logit_softcapping"] == 30.0
+    assert got["layer_types"][:2] == [SLIDING, FULL] and got["rope_local_theta"] == 5e3
