@@ -107,7 +107,7 @@ def test_message_cap_is_checked_before_the_messages() -> None:
 
 def test_unknown_fields_are_ignored() -> None:
     req = parse_chat({"messages": [{"role": "user", "content": "hi", "extra": 1}], "user": 5,
-                      "metadata": [], "parallel_tool_calls": "x", "service_tier": None})
+                      "metadata": [], "prediction": "x", "service_tier": None})
     assert req.messages == [{"role": "user", "content": "hi"}]
     assert parse_messages({"max_tokens": 1, "messages": USER, "metadata": {"user_id": 1},
                            "thinking": "x"}).max_tokens == 1
@@ -140,12 +140,13 @@ def test_vocabulary_check_names_logit_bias() -> None:
 @pytest.mark.parametrize("body, message", [
     ({"messages": USER}, "max_tokens is required"),
     ({"max_tokens": 0, "messages": USER}, "max_tokens must be >= 1, got 0"),
-    ({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]},
-     "messages.0.role must be 'user' or 'assistant', got 'system'"),
+    ({"max_tokens": 1, "messages": [{"role": "robot", "content": "x"}]},
+     "messages.0.role must be 'user', 'assistant' or 'system', got 'robot'"),
     ({"max_tokens": 1, "messages": [{"role": "assistant", "content": [
         {"type": "tool_result", "tool_use_id": "t"}]}]},
      "messages.0.content.0: content blocks of type 'tool_result' are not supported in assistant "
-     "messages (supported: text, tool_use)"),
+     "messages (supported: text, tool_use, thinking, "
+     "redacted_thinking)"),
     ({"max_tokens": 1, "messages": USER, "tool_choice": {"type": "any"}},
      "tool_choice is 'any' but no 'tools' were given"),
     ({"max_tokens": 1, "messages": USER, "system": 5},
@@ -175,7 +176,8 @@ def test_openapi_document_names_the_routes() -> None:
     assert status == 200
     doc = json.loads(raw)
     assert doc["openapi"].startswith("3.1")
-    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
+    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                 "/v1/responses"}
     schemas = doc["components"]["schemas"]
     for path, op in doc["paths"].items():
         ref = op["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]

@@ -275,10 +275,7 @@ def test_too_long_prompt_names_both_numbers(http: httpx.Client, srv: BackgroundS
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and str(ctx) in msg
     n_prompt = int(msg.split("prompt is ")[1].split()[0])
-    assert n_prompt > ctx
-    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": ctx + 5})
-    assert r.status_code == 400 and str(ctx) in r.json()["error"]["message"]
-    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert n_prompt > ctx  # (a max_tokens past the context is cut to fit: test_agent_compat)
 
 
 def test_http_level_errors(http: httpx.Client, srv: BackgroundServer) -> None:

@@ -906,9 +906,9 @@ class MessagesBody(Wire):
     cache_salt: CacheSalt | None = None
     # accepted and left to the model's template: extended thinking (no hidden channel here),
     # server-side context editing, and output settings (effort); each ignored with a log line
-    thinking: dict[str, Any] | None = None
-    context_management: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None
+    thinking: Any = None
+    context_management: Any = None
+    output_config: Any = None
 
     @model_validator(mode="after")
     def _log_ignored(self) -> MessagesBody:
