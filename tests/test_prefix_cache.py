@@ -278,3 +278,17 @@ def test_the_default_budget_is_sized_by_the_device() -> None:
     assert default_kv_budget("gpu", {"total_memory": 8 * gib, "free_memory": gib}) == gib
     cpu = default_kv_budget("cpu")
     assert cpu == default_kv_budget("gpu", {}) and 0 < cpu <= 16 * gib
+
+
+def test_a_page_copy_writes_in_place() -> None:
+    """copy_positions must not copy the pool: with the arrays of a large budget, a copy of
+    the whole pool per partial match would cost seconds and as much memory again."""
+    pool = KVPool(num_layers=4, num_kv_heads=2, head_dim=64, dtype=mx.float32)
+    pool.take(64)
+    pool.ensure_arrays()
+    mx.eval(pool.arrays())
+    layer_bytes = pool.keys[0].nbytes
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    pool.copy_positions(3, 9, BLOCK - 1)
+    assert mx.get_peak_memory() - before < layer_bytes

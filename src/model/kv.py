@@ -153,13 +153,24 @@ class KVPool:
         """Copy positions 0..n-1 of page src into page dst, every layer and kv head (a
         sequence that shares the start of another's page; see actors.kv_cache)."""
         self.ensure_arrays()
-        for arrays in (self.keys, self.values):
-            for a in arrays:
-                heads = a.shape[0] // (self.pages * BLOCK)  # (layers may differ)
+        index: dict[int, tuple[mx.array, mx.array]] = {}  # per head count: (from, to) rows
+
+        def rows(a: mx.array) -> tuple[mx.array, mx.array]:
+            heads = a.shape[0] // (self.pages * BLOCK)  # (layers may differ)
+            if heads not in index:
                 within = (np.arange(heads)[:, None] * BLOCK + np.arange(n)[None, :]).ravel()
-                a[mx.array(dst * heads * BLOCK + within, dtype=mx.int32)] = \
-                    a[mx.array(src * heads * BLOCK + within, dtype=mx.int32)]
-        mx.eval(self.keys, self.values)
+                index[heads] = (mx.array(src * heads * BLOCK + within, dtype=mx.int32),
+                                mx.array(dst * heads * BLOCK + within, dtype=mx.int32))
+            return index[heads]
+
+        # read everything first: a scatter whose input a pending read still needs copies
+        # the whole array instead of writing in place
+        arrays = [*self.keys, *self.values]
+        copied = [a[rows(a)[0]] for a in arrays]
+        mx.eval(copied)
+        for a, c in zip(arrays, copied, strict=True):
+            a[rows(a)[1]] = c
+        mx.eval(arrays)
 
     def arrays(self) -> list[mx.array]:
         """Every layer's key and value arrays: what a step writing the pool must evaluate."""
