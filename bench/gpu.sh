@@ -155,11 +155,12 @@ if want host; then
 fi
 
 if want tests; then
-  stage "pytest -m gpu tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py" \
-    "tests/test_device_sampling.py tests/test_gpu_families.py"
-  timeout "${TESTS_TIMEOUT:-400}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA \
+  stage "pytest -m gpu tests/test_cuda_kernels.py tests/test_gpu*.py tests/test_attention.py" \
+    "tests/test_device_sampling.py"
+  timeout "${TESTS_TIMEOUT:-600}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA \
     tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py \
-    tests/test_device_sampling.py tests/test_gpu_families.py 2>&1 \
+    tests/test_device_sampling.py tests/test_gpu_families.py tests/test_gpu_gemma4.py \
+    tests/test_gpu_gguf.py tests/test_gpu_hybrid.py 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 fi
 
