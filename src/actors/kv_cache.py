@@ -141,7 +141,6 @@ class KVCache:
         self.key_of: dict[int, Key] = {}
         self.full = PageIndex()  # the same full pages, under their parent's key
         self.tails = PageIndex()  # finished sequences' last, unfinished pages
-        self.writing = PageIndex()  # running sequences' unfinished pages, as far as written
         self.idle: OrderedDict[int, None] = OrderedDict()  # resident, unheld; LRU first
         self.evictions: Counter[str] = Counter()
         # recurrent-state snapshots, for models whose sequences carry a state (Admission
@@ -210,7 +209,7 @@ class KVCache:
             return match
         # no page continues it whole: copy the start of the one sharing the most with it
         room = limit - match.tokens
-        for index in (self.full, self.tails, self.writing):
+        for index in (self.full, self.tails):
             for page, written in index.get(key).items():
                 n = min(common_prefix(written, rest), room)
                 if n > best:
@@ -298,8 +297,8 @@ class KVCache:
 
     def publish(self, kv: SlotKV, ledger: list[int], chain: Chain) -> None:
         """Publish every full page of `ledger` (tokens whose K/V are written) not yet in the
-        chain, and how far its unfinished page is written. A page whose key another page
-        already holds stays private (freed at the end)."""
+        chain. A page whose key another page already holds stays private (freed at the
+        end)."""
         if chain.namespace is None:
             return
         full = len(ledger) // BLOCK
@@ -311,13 +310,10 @@ class KVCache:
             page = kv.pages[j]
             if self.snapshots is not None:
                 self.snapshots.publish(kv, key, j)  # type: ignore[arg-type]
-            self.writing.remove(page)
             if key not in self.pages and page not in self.key_of:
                 self.pages[key] = page
                 self.key_of[page] = key
                 self.full.add(parent, page, list(written))
-        if len(ledger) % BLOCK and len(kv.pages) > full:
-            self.writing.add(chain.last_key(), kv.pages[full], ledger[full * BLOCK :])
 
     def finish(self, kv: SlotKV, ledger: list[int], chain: Chain) -> None:
         """A sequence lets go of its KV: published pages nobody else holds become idle; its
@@ -326,13 +322,11 @@ class KVCache:
         pages = kv.pages
         kv.set_pages([])
         full = len(ledger) // BLOCK
-        if len(ledger) % BLOCK and len(pages) > full:
-            self.writing.remove(pages[full])
-            if chain.namespace is not None:
-                self.tails.add(chain.last_key(), pages[full], list(ledger[full * BLOCK :]))
-                if self.snapshots is not None:
-                    self.snapshots.tail(kv, pages[full], full * BLOCK,  # type: ignore[arg-type]
-                                        len(ledger))
+        if len(ledger) % BLOCK and len(pages) > full and chain.namespace is not None:
+            self.tails.add(chain.last_key(), pages[full], list(ledger[full * BLOCK :]))
+            if self.snapshots is not None:
+                self.snapshots.tail(kv, pages[full], full * BLOCK,  # type: ignore[arg-type]
+                                    len(ledger))
         if self.snapshots is not None:
             self.snapshots.finish(kv)  # type: ignore[arg-type]
         for p in self.pool.drop(pages):
@@ -348,4 +342,3 @@ class KVCache:
         self.tails.remove(page)
         if self.snapshots is not None:
             self.snapshots.drop_tail(page)
-        self.writing.remove(page)
