@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from agents_gate import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path.home() / ".cache" / "slotserve" / "e2e"
@@ -61,29 +60,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def start_server(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "slotserve.cli", "--log-level", "info", "serve", "--host",
-           "127.0.0.1", "--port", str(port), "--max-slots", "2"]
-    if args.model:
-        cmd += ["--model", args.model]
-    log = (out / "server.log").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"agents_e2e: the server exited; see {out / 'server.log'}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("agents_e2e: the server was not ready within 300 s")
 
 
 def command(agent: str, bin_dir: Path, url: str, home: Path, work: Path,
@@ -138,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     bin_dir = install()
-    proc, url = start_server(args, args.out)
+    try:
+        proc, url = start_server(args.model, 2, args.out, ("--log-level", "info"))
+    except RuntimeError as exc:
+        raise SystemExit(f"agents_e2e: {exc}") from None
     results = {}
     try:
         for agent in args.agents.split(","):
@@ -166,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in errors[:3]:
                 print("     server:", line[:200])
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
+        stop_server(proc)
     passed = all(results.values())
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1

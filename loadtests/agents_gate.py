@@ -205,15 +205,17 @@ async def gate(url: str, args: argparse.Namespace) -> list[Turn]:
     return [t for turns in results for t in turns]
 
 
-def start_server(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`slotserve serve` on a free port; returns once /health answers 200."""
+def start_server(model: str | None, max_slots: int, out: Path,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
+    """`slotserve serve` on a free port (its output in out/server.log); returns once /health
+    answers 200. The agent scripts in loadtests/ share it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "slotserve.cli", "serve", "--host", "127.0.0.1", "--port",
-           str(port), "--max-slots", str(max(args.agents, 1))]
-    if args.model:
-        cmd += ["--model", args.model]
+    cmd = [sys.executable, "-m", "slotserve.cli", *extra, "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--max-slots", str(max_slots)]
+    if model:
+        cmd += ["--model", model]
     log = (out / "server.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             start_new_session=True)
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(args, args.out)
+        proc, url = start_server(args.model, max(args.agents, 1), args.out)
     try:
         turns = asyncio.run(gate(url.rstrip("/"), args))
     finally:
