@@ -195,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sampling", dest="sampling_cases", action="store_true",
                    help="each N greedy, temperature 0.7 + top_p 0.9 and temperature 0.7 + "
                         "top_k 40 (seeded) on the same prompts; tok/s and ratios to greedy")
+    b.add_argument("--long", action="store_true",
+                   help="long-context cases (--contexts): TTFT, prefill tok/s, decode tok/s at "
+                        "that context and wall time end to end; composes with --sampling")
+    b.add_argument("--contexts", default=None,
+                   help="--long's cases: C (one prompt of C tokens) or NxC (N at once), "
+                        "comma-separated (default: 4096,16384,32768)")
+    b.add_argument("--long-new-tokens", type=int, default=None,
+                   help="new tokens per --long prompt (default: --new-tokens)")
+    b.add_argument("--prefill-budget", type=int, default=None,
+                   help="prompt tokens per engine tick (default: the engine's)")
     b.set_defaults(fn=cmd_bench)
 
     # --- synth (random-weight checkpoints of real model shapes; see slotserve.tools.synth) ---

@@ -8,6 +8,11 @@ and inter-token latency percentiles, and the engine's own per-step overhead.
 Sampling mode (`--sampling`) runs the same N streams once per sampler case of
 `SAMPLING_CASES` (greedy, temperature 0.7 + top_p 0.9, temperature 0.7 + top_k 40; the
 same prompts for each) and reports each case's tok/s and its ratio to greedy at that N.
+Long-context mode (`--long`) runs the cases of `--contexts` (`C` is one prompt of C tokens,
+`NxC` N concurrent prompts of C tokens each; default 4k, 16k, 32k), each prompt distinct
+from its first tokens (no prefix reuse): TTFT, prefill tok/s, decode tok/s at that context
+(from the steady decode steps) and the wall time end to end, the long-agent workloads of
+issue 18 that bench/gpu_peer.py sets beside llama.cpp's.
 """
 
 from __future__ import annotations
@@ -57,17 +62,33 @@ def prompt_ids(engine: Engine, i: int, target: int) -> list[int]:
     return ids
 
 
+def exact_prompt_ids(engine: Engine, i: int, target: int) -> list[int]:
+    """A distinct chat prompt of exactly `target` tokens (filler repeated in one go, so a
+    32k-token prompt costs one list build, not thousands), for the long-context cases."""
+    head = engine.render_chat([{"role": "user", "content":
+                                f"Request {i}. Write a detailed essay about "
+                                f"{TOPICS[i % len(TOPICS)]}."}])
+    if target < len(head):
+        raise ValueError(f"a prompt needs at least {len(head)} tokens here, not {target}")
+    filler = engine.tokenizer.encode(" Please be thorough and precise.", add_special=False)
+    body = (filler * ((target - len(head)) // len(filler) + 1))[:target - len(head)]
+    return head[:-3] + body + head[-3:]
+
+
 async def run_streams(engine: Engine, n: int, prompt_tokens: int, new_tokens: int,
-                      offset: int = 0, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """N concurrent streams; `sampling` (temperature, top_p, top_k, seed) or greedy."""
+                      offset: int = 0, sampling: dict[str, Any] | None = None,
+                      exact: bool = False) -> dict[str, Any]:
+    """N concurrent streams; `sampling` (temperature, top_p, top_k, seed) or greedy;
+    `exact`: prompts of exactly `prompt_tokens` tokens (exact_prompt_ids)."""
     ttfts: list[float] = []
     gaps: list[float] = []
     produced = [0] * n
+    make_ids = exact_prompt_ids if exact else prompt_ids
+    prompts = [make_ids(engine, offset + k, prompt_tokens) for k in range(n)]
 
     async def one(k: int) -> None:
         opts = sampling or {"temperature": 0.0}
-        req = engine.make_request(prompt_ids(engine, offset + k, prompt_tokens),
-                                  max_tokens=new_tokens, ignore_eos=True, **opts)
+        req = engine.make_request(prompts[k], max_tokens=new_tokens, ignore_eos=True, **opts)
         t0 = time.perf_counter()
         last = None
         async for d in engine.generate(req):
@@ -89,11 +110,13 @@ async def run_streams(engine: Engine, n: int, prompt_tokens: int, new_tokens: in
     total = sum(produced)
     overhead = step_overhead(engine, steps_before, n)
     return {
-        "streams": n, "tokens": total, "wall_s": round(wall, 3),
+        "streams": n, "prompt_tokens": sum(map(len, prompts)), "tokens": total,
+        "wall_s": round(wall, 3),
         "aggregate_tok_s": round(total / wall, 2),
         "per_stream_tok_s": round(total / wall / n, 2),
         "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000, 1),
         "ttft_p95_ms": round(pct(ttfts, 0.95) * 1000, 1),
+        "ttft_max_ms": round(max(ttfts, default=float("nan")) * 1000, 1),
         "itl_p50_ms": round(pct(gaps, 0.5) * 1000, 1),
         "itl_p95_ms": round(pct(gaps, 0.95) * 1000, 1),
         **overhead,
@@ -129,6 +152,48 @@ async def sampling_table(engine: Engine, streams: list[int], prompt_tokens: int,
                 if r["decode_tok_s"] and greedy["decode_tok_s"]:
                     r["decode_vs_greedy"] = round(r["decode_tok_s"] / greedy["decode_tok_s"], 3)
             rows.append(r)
+    return rows
+
+
+DEFAULT_CONTEXTS = "4096,16384,32768"
+
+
+def parse_contexts(text: str) -> list[tuple[int, int]]:
+    """`--contexts`: comma-separated `C` (one prompt of C tokens) or `NxC` (N prompts of C
+    tokens at once) -> [(N, C)]."""
+    cases = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        n, _, c = item.lower().rpartition("x")
+        try:
+            case = (int(n) if n else 1, int(c))
+        except ValueError:
+            raise ValueError(f"--contexts takes C or NxC items (4096, 8x16384), "
+                             f"not {item!r}") from None
+        if min(case) < 1:
+            raise ValueError(f"--contexts: streams and tokens must be positive, not {item!r}")
+        cases.append(case)
+    if not cases:
+        raise ValueError("--contexts is empty")
+    return cases
+
+
+async def long_table(engine: Engine, cases: list[tuple[int, int]], new_tokens: int,
+                     sampling: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Each (N, C) case: N distinct prompts of exactly C tokens at once, `new_tokens` each.
+    prefill tok/s is the N * C prompt tokens over the slowest TTFT (the last prompt's first
+    token ends the prefill of all of them); decode tok/s = N / step time over the steps
+    that decoded all N rows at that context."""
+    rows = []
+    for i, (n, ctx) in enumerate(cases):
+        engine.drop_retained()
+        r = await run_streams(engine, n, ctx, new_tokens, offset=1000 + 100 * i,
+                              sampling=sampling, exact=True)
+        r = {"context": ctx, **r}
+        r["prefill_tok_s"] = round(n * ctx / (r["ttft_max_ms"] / 1000), 1)
+        r["decode_tok_s"] = round(n * 1000 / r["step_ms"], 1) if r["step_ms"] else None
+        rows.append(r)
     return rows
 
 
@@ -214,13 +279,24 @@ def main(args: argparse.Namespace) -> int:
             sampling["top_p"] = args.top_p
         if args.top_k is not None:
             sampling["top_k"] = args.top_k
+    try:
+        long_cases = (parse_contexts(getattr(args, "contexts", None) or DEFAULT_CONTEXTS)
+                      if getattr(args, "long", False) else [])
+    except ValueError as exc:
+        raise SystemExit(f"slotserve bench: {exc}") from None
+    sampled = getattr(args, "sampling_cases", False)
+    slots = max((streams if sampled or not long_cases else [])
+                + [n for n, _ in long_cases])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    extra: dict[str, Any] = {}
+    if getattr(args, "prefill_budget", None):
+        extra["prefill_budget"] = args.prefill_budget
 
     async def run() -> dict[str, Any]:
         t0 = time.perf_counter()
-        engine = Engine.load(args.model, device=args.device, max_slots=max(streams),
-                             max_queue=4 * max(streams))
+        engine = Engine.load(args.model, device=args.device, max_slots=slots,
+                             max_queue=4 * slots, **extra)
         async with engine:
             load_s = time.perf_counter() - t0
             info: dict[str, Any] = {
@@ -233,15 +309,26 @@ def main(args: argparse.Namespace) -> int:
                 "invariance": vars(engine.loaded.invariance)  # type: ignore[union-attr]
                 if engine.loaded.invariance else None,  # type: ignore[union-attr]
             }
+            info["prefill_budget"] = engine.config.prefill_budget
             if args.single:
                 info["single"] = await bench_single(engine, args.new_tokens)
-            elif getattr(args, "sampling_cases", False):
-                await run_streams(engine, 1, 32, 4, sampling=SAMPLING_CASES[
-                    "temperature 0.7, top_p 0.9"])  # warm-up, the sampler's too
-                info["sampling"] = await sampling_table(engine, streams, args.prompt_tokens,
-                                                        args.new_tokens)
-                for r in info["sampling"]:
-                    print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
+            elif long_cases or sampled:
+                # --sampling and --long compose: one load (and warm-up) for both tables
+                if sampled:
+                    await run_streams(engine, 1, 32, 4, sampling=SAMPLING_CASES[
+                        "temperature 0.7, top_p 0.9"])  # warm-up, the sampler's too
+                    info["sampling"] = await sampling_table(engine, streams,
+                                                            args.prompt_tokens,
+                                                            args.new_tokens)
+                    for r in info["sampling"]:
+                        print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
+                if long_cases:
+                    await run_streams(engine, 1, 32, 4, sampling=sampling)  # warm-up
+                    info["long"] = await long_table(engine, long_cases,
+                                                    getattr(args, "long_new_tokens", None)
+                                                    or args.new_tokens, sampling)
+                    for r in info["long"]:
+                        print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
             else:
                 await run_streams(engine, 1, 32, 4)  # warm-up
                 rows = []
@@ -255,8 +342,8 @@ def main(args: argparse.Namespace) -> int:
             return info
 
     result = anyio.run(run)
-    name = ("single" if args.single else
-            "sampling" if getattr(args, "sampling_cases", False) else "concurrency")
+    name = ("single" if args.single else "long" if long_cases else
+            "sampling" if sampled else "concurrency")
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     if name == "concurrency":
         plot(result["concurrency"], out / f"{name}.png",
