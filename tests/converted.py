@@ -137,7 +137,7 @@ TINY_DEFAULTS: dict[str, Any] = dict(
 
 
 def tiny_hf(family: str, config_overrides: dict[str, Any] | None = None, seed: int = 0,
-            row_spread: float = 0.0) -> Path:
+            row_spread: float = 0.0, tokenizer: str = "smollm2") -> Path:
     """A tiny random-weight checkpoint of transformers' real config/model classes.
 
     `family` is a transformers model_type ("llama", "qwen3", "gemma3_text", "qwen2",
@@ -150,24 +150,20 @@ def tiny_hf(family: str, config_overrides: dict[str, Any] | None = None, seed: i
     exp(N(0, row_spread)), as training spreads token norms: the top logit then stands out
     from the rest as in a trained model, instead of being one of 49,152 near-equal ones
     (where any rounding, e.g. of int8 activations, flips the greedy choice).
+    `tokenizer` picks the files the converter reads (TOKENIZERS): SmolLM2's by default.
     """
     import transformers
 
     overrides = dict(config_overrides or {})
-    key = _digest(family, overrides, seed, row_spread, transformers.__version__)
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {sorted(TOKENIZERS)}, not {tokenizer!r}")
+    extra = () if tokenizer == "smollm2" else (tokenizer,)  # the old keys stay valid
+    key = _digest(family, overrides, seed, row_spread, transformers.__version__, *extra)
 
     def make(out: Path) -> None:
         import torch
 
-        from slotserve.tools.synth import write_smollm2_tokenizer
-
-        vocab = write_smollm2_tokenizer(out)
-        # the tokenizer as tokenizer.json says, not the family's own class (transformers 5's
-        # Qwen2Tokenizer rebuilds its own pre-tokenizer, which llama.cpp's converter then
-        # fails to recognize)
-        tok_cfg = out / "tokenizer_config.json"
-        tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()),
-                                       "tokenizer_class": "PreTrainedTokenizerFast"}))
+        vocab = _write_tokenizer(out, tokenizer)
         cfg = transformers.AutoConfig.for_model(family, **{"vocab_size": vocab, **TINY_DEFAULTS,
                                                             **overrides})
         torch.manual_seed(seed)
@@ -182,6 +178,51 @@ def tiny_hf(family: str, config_overrides: dict[str, Any] | None = None, seed: i
         model.to(torch.float32).save_pretrained(out, safe_serialization=True)
 
     return _cached(f"hf-{family}", key, make)
+
+
+# The tokenizer files a tiny checkpoint ships, by name: (vocabulary, tokenizer_class).
+# transformers 5 rebuilds the pre-tokenizer of some families' own classes (Qwen2Tokenizer's is
+# Qwen2's regex) whatever tokenizer_config.json says, and llama.cpp's converter recognizes a
+# byte-level tokenizer only by the hash of how it encodes a test text, so a family whose
+# class transformers forces needs that family's real vocabulary:
+# - "smollm2": the bundled SmolLM2's, read as tokenizer.json says (PreTrainedTokenizerFast)
+# - "smollm2-gpt2": the same files naming GPT2Tokenizer, as Phi-4 ships its tokenizer (the
+#   converter's phi3 class then reads it as byte-level BPE, instead of asking for a
+#   SentencePiece tokenizer.model)
+# - "qwen2": the real Qwen2 vocabulary (151,643 tokens, its merges, <|endoftext|>,
+#   <|im_start|>, <|im_end|>) from llama.cpp's own vocab-only ggml-vocab-qwen2.gguf, naming
+#   Qwen2Tokenizer as Qwen2 / Qwen2.5 ship it; vocab_size 151,936 as in the released configs
+TOKENIZERS: dict[str, tuple[str, str]] = {
+    "smollm2": ("smollm2", "PreTrainedTokenizerFast"),
+    "smollm2-gpt2": ("smollm2", "GPT2Tokenizer"),
+    "qwen2": ("qwen2", "Qwen2Tokenizer"),
+}
+QWEN2_VOCAB_SIZE = 151936
+
+
+def _write_tokenizer(out: Path, name: str) -> int:
+    """Write TOKENIZERS[name]'s tokenizer.json and tokenizer_config.json; the vocab_size."""
+    vocab, tokenizer_class = TOKENIZERS[name]
+    if vocab == "smollm2":
+        from slotserve.tools.synth import write_smollm2_tokenizer
+
+        size = write_smollm2_tokenizer(out)
+    else:
+        from slotserve.model.gguf import read_header
+        from slotserve.model.tokenizer import Tokenizer
+
+        path = llama_cpp_tree() / "models" / f"ggml-vocab-{vocab}.gguf"
+        tok = Tokenizer.from_gguf_metadata(read_header(path).metadata, str(path))
+        (out / "tokenizer.json").write_text(tok.to_hf_tokenizer_json())
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "chat_template": tok.chat_template, "bos_token": None,
+            "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+            "add_bos_token": False}))
+        size = QWEN2_VOCAB_SIZE
+    tok_cfg = out / "tokenizer_config.json"
+    tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()),
+                                   "tokenizer_class": tokenizer_class}))
+    return size
 
 
 # --- the converters -----------------------------------------------------------------------
