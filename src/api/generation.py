@@ -35,6 +35,7 @@ from slotserve.actors.session import Session
 from slotserve.api.completion_bodies import LogprobFormatter, ResponseIds
 from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
+from slotserve.api.harmony import HarmonyParser, harmony_call_grammar, harmony_no_call_grammar
 from slotserve.api.limits import chat_texts, refuse_unfit
 from slotserve.api.reasoning import ReasoningPiece, ReasoningSplitter, prompt_opens_thinking
 from slotserve.api.schemas import (
@@ -46,6 +47,7 @@ from slotserve.api.schemas import (
 from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tool_formats import (
+    HARMONY,
     ArgumentsPiece,
     CallEvent,
     CallOpened,
@@ -269,6 +271,7 @@ class ChatRun:
     parser: CallParser | None
     prompt_ids: list[int]
     splitter: ReasoningSplitter | None = None  # for a template that writes <think> blocks
+    harmony: HarmonyParser | None = None  # gpt-oss: channels and calls in one parser
 
     @property
     def prompt_tokens(self) -> int:
@@ -277,10 +280,14 @@ class ChatRun:
     def events(self, text: str) -> list[ReplyEvent]:
         """Generated text -> reasoning, text and tool-call events (tool calls are read from
         the answer text, and only when tools are on)."""
+        if self.harmony is not None:
+            return list(self.harmony.feed(text))
         pieces = self.splitter.feed(text) if self.splitter is not None else [TextPiece(text)]
         return self._calls(pieces)
 
     def finish(self) -> list[ReplyEvent]:
+        if self.harmony is not None:
+            return list(self.harmony.finish())
         out = self._calls(self.splitter.finish()) if self.splitter is not None else []
         return out + (self.parser.finish() if self.parser is not None else [])
 
@@ -342,7 +349,10 @@ async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, An
     if not tools or choice.mode == "auto":
         return None
     syntax = state.call_syntax
-    if choice.forced:
+    if syntax is HARMONY:
+        lark = (harmony_call_grammar(tools, choice, state.special_ids) if choice.forced
+                else harmony_no_call_grammar(state.special_ids))
+    elif choice.forced:
         if syntax.whole:  # no grammar of its (not JSON) arguments: refused, never unforced
             raise bad_request(f"tool_choice {choice.mode!r} cannot be enforced for this "
                               f"model's tool-call syntax ({syntax.name}); 'auto' and 'none' "
@@ -391,7 +401,10 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     options = await compile_grammar(engine, clamp_max_tokens(engine, ids, options))
     session = submit(state, engine, ids, options, "messages")
     stream = open_stream(state, engine, session)
-    parser = CallParser(state.call_syntax) if tools and choice.mode != "none" else None
+    calls = bool(tools) and choice.mode != "none"
+    if state.call_syntax is HARMONY:
+        return ChatRun(engine, session, stream, None, ids, harmony=HarmonyParser(calls))
+    parser = CallParser(state.call_syntax) if calls else None
     splitter = None
     if state.template_thinks:  # the template may have opened the block in the prompt
         splitter = ReasoningSplitter(prompt_opens_thinking(engine.tokenizer.decode(ids[-8:])))

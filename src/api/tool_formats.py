@@ -79,6 +79,9 @@ class CallSyntax:
         if self.name == "gemma4":
             return "".join(f"<|tool_call>call:{n}{_gemma_value(_loads(a))}<tool_call|>"
                            for n, a in calls)
+        if self.name == "harmony":  # one call per message, as gpt-oss's template writes it
+            return "".join(f"<|start|>assistant to=functions.{n}<|channel|>commentary json"
+                           f"<|message|>{a}<|call|>" for n, a in calls)
         objs = [f'{{"name": {json.dumps(n)}, "{self.arguments_key}": {a}}}' for n, a in calls]
         if self.name == "hermes":
             return "".join(f"{self.opener}\n{o}\n{self.closer}" for o in objs)
@@ -102,12 +105,18 @@ MISTRAL_ARGS = CallSyntax("mistral_args", "[TOOL_CALLS]",
                           tail=_NO_TAIL)
 PYTHONIC = CallSyntax("pythonic", None, at_start=("[",), pythonic=True, whole=True)
 GEMMA4 = CallSyntax("gemma4", "<|tool_call>", "<tool_call|>", whole=True)
-SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, PYTHONIC, GEMMA4)}
+# gpt-oss: calls are harmony messages to `functions.NAME`, read (with the reasoning and answer
+# channels) by `slotserve.api.harmony`, not by CallParser
+HARMONY = CallSyntax("harmony", "<|channel|>")
+SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, PYTHONIC, GEMMA4,
+                                HARMONY)}
 
 
 def syntax_for_template(source: str | None) -> CallSyntax:
     """The syntax a chat template teaches its model (Hermes when it teaches none)."""
     text = source or ""
+    if "<|channel|>" in text and "<|message|>" in text:
+        return HARMONY
     if "<|tool_call>" in text:
         return GEMMA4
     if "[TOOL_CALLS]" in text:

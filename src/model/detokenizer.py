@@ -14,6 +14,7 @@ from typing import Protocol
 
 class _TokenBytes(Protocol):
     special_ids: frozenset[int]
+    shown_ids: frozenset[int]  # special tokens kept even when special ones are skipped
 
     def token_bytes(self, i: int) -> bytes: ...
 
@@ -47,7 +48,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: _TokenBytes, skip_special: bool = False) -> None:
         self._tokenizer = tokenizer
-        self._skip = tokenizer.special_ids if skip_special else frozenset()
+        self._skip = (tokenizer.special_ids - tokenizer.shown_ids) if skip_special else frozenset()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token_id: int) -> str:

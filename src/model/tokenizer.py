@@ -43,7 +43,13 @@ _IGNORE_MERGES = {"llama-bpe", "llama3"}  # Llama 3 looks whole words up before 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
                       "<|endoftext|>", "<|eom_id|>", "<|END_OF_TURN_TOKEN|>",
                       "<|end▁of▁sentence|>", "<eos>", "</s>",
-                      "<turn|>", "<|tool_response>")  # Gemma 4: a turn's end; its tool calls' end
+                      "<turn|>", "<|tool_response>",  # Gemma 4: a turn's end; its tool calls' end
+                      "<|return|>", "<|call|>")  # gpt-oss (harmony): the answer's end; a call's end
+# Special tokens that are part of what a model writes, not control to hide: the API's parsers
+# read them (harmony's message headers and channels, where the vocabulary has <|channel|>;
+# Gemma 4's tool calls). Generated text keeps them; every other special token is dropped.
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
+SHOWN_TOKENS = ("<|tool_call>", "<tool_call|>", '<|"|>')
 CONTROL, USER_DEFINED, UNUSED, BYTE = 3, 4, 5, 6  # tokenizer.ggml.token_type values
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _HOLE = "\ue000"  # stands for a stretch of user text while control tokens are found
@@ -168,6 +174,9 @@ class Tokenizer:
         eot = (self.special_tokens.get(t) for t in END_OF_TURN_TOKENS)
         stops = {i for i in (eos_id, *extra_eos, *eot) if i is not None}
         self.stop_ids: frozenset[int] = frozenset(stops)
+        shown = SHOWN_TOKENS + (HARMONY_TOKENS if "<|channel|>" in self.special_tokens else ())
+        self.shown_ids: frozenset[int] = frozenset(
+            self.special_tokens[t] for t in shown if t in self.special_tokens)
         self._bytes_cache: dict[int, bytes] = {}
         # User text is text: copies of `hf` that encode special-token strings as the plain text
         # they spell. `_plain_first` for text at the very start of a prompt, `_plain_inner` for
