@@ -78,6 +78,8 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
     bits either way (the same rotation, rounded to bf16 as rope_write stores it).
     """
     r = qkv.shape[0]
+    if qkv.dtype != kpool.dtype:  # a float32 model (e.g. a GGUF read as f32) on a bf16 pool
+        qkv = qkv.astype(kpool.dtype)
     if (not launch.rope_in_attention(r, kv_heads, one_row_per_slot)
             or launch.attention_splits(tables.shape[1]) > 1):
         q = rope_write(qkv, cos, sin, row_pos, write_rows, kpool, vpool, heads, kv_heads,
