@@ -322,8 +322,10 @@ def main(args: argparse.Namespace) -> int:
                                                             args.new_tokens)
                     for r in info["sampling"]:
                         print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
-                if long_cases:
-                    await run_streams(engine, 1, 32, 4, sampling=sampling)  # warm-up
+                if long_cases:  # warm-up: two prefill chunks (a full one's shapes compiled)
+                    budget = engine.config.prefill_budget
+                    await run_streams(engine, 1, min(2 * budget, min(c for _, c in long_cases)),
+                                      4, sampling=sampling, exact=True)
                     info["long"] = await long_table(engine, long_cases,
                                                     getattr(args, "long_new_tokens", None)
                                                     or args.new_tokens, sampling)
