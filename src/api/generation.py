@@ -37,6 +37,7 @@ from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
 from slotserve.api.harmony import HarmonyParser, harmony_call_grammar, harmony_no_call_grammar
 from slotserve.api.limits import chat_texts, refuse_unfit
+from slotserve.api.qwen_xml import QwenXmlParser, qwen_xml_call_grammar
 from slotserve.api.reasoning import ReasoningPiece, ReasoningSplitter, prompt_opens_thinking
 from slotserve.api.schemas import (
     ChatRequest,
@@ -48,6 +49,7 @@ from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tool_formats import (
     HARMONY,
+    QWEN_XML,
     ArgumentsPiece,
     CallEvent,
     CallOpened,
@@ -268,7 +270,7 @@ class ChatRun:
     engine: Engine
     session: Session
     stream: AsyncGenerator[Delta, None]
-    parser: CallParser | None
+    parser: CallParser | QwenXmlParser | None
     prompt_ids: list[int]
     splitter: ReasoningSplitter | None = None  # for a template that writes <think> blocks
     harmony: HarmonyParser | None = None  # gpt-oss: channels and calls in one parser
@@ -352,6 +354,9 @@ async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, An
     if syntax is HARMONY:
         lark = (harmony_call_grammar(tools, choice, state.special_ids) if choice.forced
                 else harmony_no_call_grammar(state.special_ids))
+    elif syntax is QWEN_XML and choice.forced:
+        lark = qwen_xml_call_grammar(tools, choice.name if choice.mode == "function" else None,
+                                     parallel)
     elif choice.forced:
         if syntax.whole:  # no grammar of its (not JSON) arguments: refused, never unforced
             raise bad_request(f"tool_choice {choice.mode!r} cannot be enforced for this "
@@ -404,7 +409,10 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     calls = bool(tools) and choice.mode != "none"
     if state.call_syntax is HARMONY:
         return ChatRun(engine, session, stream, None, ids, harmony=HarmonyParser(calls))
-    parser = CallParser(state.call_syntax) if calls else None
+    parser: CallParser | QwenXmlParser | None = None
+    if calls:
+        parser = (QwenXmlParser(tools) if state.call_syntax is QWEN_XML
+                  else CallParser(state.call_syntax))
     splitter = None
     if state.template_thinks:  # the template may have opened the block in the prompt
         splitter = ReasoningSplitter(prompt_opens_thinking(engine.tokenizer.decode(ids[-8:])))

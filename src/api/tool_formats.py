@@ -79,6 +79,8 @@ class CallSyntax:
         if self.name == "gemma4":
             return "".join(f"<|tool_call>call:{n}{_gemma_value(_loads(a))}<tool_call|>"
                            for n, a in calls)
+        if self.name == "qwen_xml":
+            return "".join(_qwen_xml_call(n, a) for n, a in calls)
         if self.name == "harmony":  # one call per message, as gpt-oss's template writes it
             return "".join(f"<|start|>assistant to=functions.{n}<|channel|>commentary json"
                            f"<|message|>{a}<|call|>" for n, a in calls)
@@ -108,8 +110,11 @@ GEMMA4 = CallSyntax("gemma4", "<|tool_call>", "<tool_call|>", whole=True)
 # gpt-oss: calls are harmony messages to `functions.NAME`, read (with the reasoning and answer
 # channels) by `slotserve.api.harmony`, not by CallParser
 HARMONY = CallSyntax("harmony", "<|channel|>")
+# Qwen3-Coder / Qwen3.5 / Qwen3.6: <tool_call><function=NAME><parameter=K>raw</parameter>...,
+# read by `slotserve.api.qwen_xml` (values typed by the tool's schema), not by CallParser
+QWEN_XML = CallSyntax("qwen_xml", "<tool_call>", "</tool_call>")
 SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, PYTHONIC, GEMMA4,
-                                HARMONY)}
+                                HARMONY, QWEN_XML)}
 
 
 def syntax_for_template(source: str | None) -> CallSyntax:
@@ -121,6 +126,8 @@ def syntax_for_template(source: str | None) -> CallSyntax:
         return GEMMA4
     if "[TOOL_CALLS]" in text:
         return MISTRAL_ARGS if "[ARGS]" in text else MISTRAL
+    if "<tool_call>" in text and "<function=" in text and "<parameter=" in text:
+        return QWEN_XML
     if "<tool_call>" in text:
         return HERMES
     if "[func_name1(" in text or "[func_name(" in text:  # Llama 3.2 / 4 pythonic
@@ -509,6 +516,14 @@ def _gemma_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ",".join(_gemma_value(v) for v in value) + "]"
     return json.dumps(value)
+
+
+def _qwen_xml_call(name: str, arguments: str) -> str:
+    args = _loads(arguments)
+    params = "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+        for k, v in (args.items() if isinstance(args, dict) else ()))
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
 def _loads(arguments: str) -> Any:
