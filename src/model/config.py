@@ -113,23 +113,44 @@ def config_from_hf(cfg: dict[str, Any], family: ConfigFamily, source: str) -> Mo
     )
 
 
-def gguf_rope_scaling(get: Callable[..., Any], rope_freqs: Any, source: str
-                      ) -> dict[str, Any] | None:
+def gguf_rope_scaling(get: Callable[..., Any], rope_freqs: Any, source: str,
+                      rope_factors: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The RoPE scaling llama.cpp wrote, as slotserve.model.layers.rope_inv_freq reads it.
 
     `<arch>.rope.scaling.type` says linear / yarn / longrope (none: no scaling); Llama 3's
     scaling is written instead as the tensor `rope_freqs.weight`, one divisor per frequency
     (llama.cpp divides each frequency by it, which is HF's llama3 formula, evaluated by the
-    converter), read here as rope_type "freq_factors". What rope_inv_freq cannot do is
-    refused, naming what it can."""
+    converter), read here as rope_type "freq_factors"; Phi-3's LongRoPE as the tensors
+    `rope_factors_short` / `rope_factors_long` (`rope_factors`) with the attention factor
+    in `rope.scaling.attn_factor`, read as HF's "longrope" (the family adds the original
+    context and the rotated share of the head). YaRN's factor, original context and beta
+    keys are HF's (the family says what the file does not, e.g. gpt-oss's `truncate`).
+    What rope_inv_freq cannot do is refused, naming what it can."""
     kind = get("rope.scaling.type") or "none"
     rope: dict[str, Any] | None = None
     if kind == "linear":
         rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif kind == "yarn":
+        rope = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                "original_max_position_embeddings":
+                    int(get("rope.scaling.original_context_length")),
+                "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
     elif kind != "none":
         raise UnsupportedModelError(
             f"{source}: unsupported GGUF rope scaling {kind!r}; supported: none, linear, "
-            "llama3 (the rope_freqs tensor)")
+            "yarn, llama3 (the rope_freqs tensor), longrope (the rope_factors tensors)")
+    if rope_factors:
+        if rope is not None or set(rope_factors) != {"short", "long"}:
+            raise UnsupportedModelError(
+                f"{source}: LongRoPE tensors {sorted(rope_factors)} with rope scaling "
+                f"{kind!r}; supported: both rope_factors_short and rope_factors_long, alone")
+        rope = {"rope_type": "longrope",
+                **{f"{k}_factor": [float(f) for f in v.astype(mx.float32).tolist()]
+                   for k, v in rope_factors.items()}}
+        attn = get("rope.scaling.attn_factor")
+        if attn is not None:
+            rope["attention_factor"] = float(attn)
     if rope_freqs is not None:
         if rope is not None:
             raise UnsupportedModelError(
@@ -146,9 +167,11 @@ def _first(v: Any) -> Any:
 
 
 def config_from_gguf(meta: dict[str, Any], family: ConfigFamily, source: str,
-                     rope_freqs: Any = None) -> ModelConfig:
+                     rope_freqs: Any = None, rope_factors: dict[str, Any] | None = None
+                     ) -> ModelConfig:
     """Build the family's config from GGUF metadata (values are str/list or 0-d arrays);
-    `rope_freqs` is the file's rope_freqs.weight tensor, if it has one."""
+    `rope_freqs` is the file's rope_freqs.weight tensor, if it has one, `rope_factors` its
+    rope_factors_{short,long}.weight tensors by "short" / "long"."""
 
     def get(key: str, default: Any = None) -> Any:
         v = meta.get(key, default)
@@ -159,7 +182,7 @@ def config_from_gguf(meta: dict[str, Any], family: ConfigFamily, source: str,
     hidden = int(get(p + "embedding_length"))
     n_vocab = get(p + "vocab_size") or len(meta["tokenizer.ggml.tokens"])
     rope = gguf_rope_scaling(lambda key, default=None: get(p + key, default), rope_freqs,
-                             source)
+                             source, rope_factors)
     common: dict[str, Any] = dict(
         family=family.name,
         hidden_size=hidden,

@@ -97,9 +97,12 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, Any], dict[str, 
         meta["__tensor_names__"] = {t.name for t in header.tensors}
         family = families.for_gguf(meta, str(path))  # refused before any tensor is read
         raw = gguf.read_tensors(path, header)
-        # llama.cpp's per-frequency RoPE divisors (Llama 3.1+): config, not a weight
+        # llama.cpp's per-frequency RoPE divisors (Llama 3.1+) and LongRoPE's short and long
+        # factors (Phi-3): config, not weights
         rope_freqs = raw.pop("rope_freqs.weight", None)
-        cfg = config_from_gguf(meta, family, str(path), rope_freqs)
+        rope_factors = {k: raw.pop(f"rope_factors_{k}.weight") for k in ("short", "long")
+                        if f"rope_factors_{k}.weight" in raw}
+        cfg = config_from_gguf(meta, family, str(path), rope_freqs, rope_factors)
         weights = read_gguf(path, family, cfg, raw)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face directory")

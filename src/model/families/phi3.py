@@ -5,7 +5,8 @@ What differs from llama: the checkpoint stores q/k/v as one `qkv_proj` and gate/
 RoPE may rotate only the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75) and
 may use LongRoPE ("longrope", old name "su": per-frequency short/long factors switching at
 `original_max_position_embeddings`, an attention factor on cos/sin; layers.LongRope). An
-optional `sliding_window` applies to every layer.
+optional `sliding_window` applies to every layer. llama.cpp's GGUF files keep the fused
+projections (`attn_qkv`, `ffn_up`) and write LongRoPE's factors as tensors.
 
 A partial rotation (HF pairs dims i and i + rotary/2 of the first `rotary` dims) is run as
 slotserve's full-width rotate-half (pairs i and i + head_dim/2) by reordering each q and k
@@ -24,7 +25,6 @@ import mlx.core as mx
 
 import slotserve.model.families.llama as llama
 from slotserve.model import decoder, layers
-from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.family import Family
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -63,12 +63,18 @@ class Config(llama.Config):
 
     @classmethod
     def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
-        """Refused: llama.cpp's phi3 files keep LongRoPE's factors as tensors and the partial
-        rotation as rope.dimension_count, which the GGUF reader does not take yet (a file read
-        without them would answer wrong)."""
-        raise UnsupportedModelError(
-            "phi3 GGUF files are not supported yet; supported for phi3: Hugging Face "
-            "directories (float or MLX 4-bit)")
+        """As llama.cpp's converter writes Phi-3 / Phi-4 (conversion/phi.py): the rotated part
+        of each head as `rope.dimension_count`, LongRoPE's original context as
+        `rope.scaling.original_context_length` (its factors are tensors, read into
+        rope_scaling by config.gguf_rope_scaling), the window on every layer as
+        `attention.sliding_window` (0: none, Phi-4's)."""
+        head_dim = common["head_dim"]
+        rotary = int(get("rope.dimension_count") or head_dim)
+        orig = get("rope.scaling.original_context_length")
+        window = get("attention.sliding_window")
+        return dict(partial_rotary_factor=rotary / head_dim,
+                    original_max_position_embeddings=int(orig) if orig else None,
+                    sliding_window=int(window) if window else None)
 
 
 def split_rows(t: Tensor, sizes: list[int]) -> list[Tensor]:
@@ -152,4 +158,6 @@ FAMILY = Family(
     hf_architectures=("Phi3ForCausalLM",),
     hf_model_type="phi3",
     gguf_architecture="phi3",
+    # llama.cpp keeps the fused projections fused, in HF's row order (gate rows first)
+    gguf_layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 )
