@@ -25,7 +25,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One run of both modes (they compose: one engine load for the two tables)."""
     out = tmp_path_factory.mktemp("bench")
     assert main(["bench", "--device", "cpu", "--sampling", "--streams", "2",
-                 "--prompt-tokens", "32", "--new-tokens", "5", "--long",
+                 "--prompt-tokens", "60", "--new-tokens", "5", "--long",
                  "--contexts", "80,2x64", "--long-new-tokens", "6", "--prefill-budget", "32",
                  "--out", str(out)]) == 0
     return json.loads((out / "long.json").read_text())
@@ -46,7 +46,8 @@ def test_long_cases_run_with_exact_prompt_lengths(report: dict[str, Any]) -> Non
 def test_sampling_cases_beside_greedy(report: dict[str, Any]) -> None:
     rows = report["sampling"]
     assert [r["case"] for r in rows] == list(SAMPLING_CASES)
-    assert all(r["streams"] == 2 and r["tokens"] == 10 for r in rows)
+    assert all(r["streams"] == 2 and r["prompt_tokens"] == 120 and r["tokens"] == 10
+               for r in rows)
     greedy, *sampled = rows
     assert "aggregate_vs_greedy" not in greedy
     for r in sampled:

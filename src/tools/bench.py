@@ -7,7 +7,8 @@ prompts (greedy, fixed length via ignore_eos) and reports aggregate tok/s, TTFT
 and inter-token latency percentiles, and the engine's own per-step overhead.
 Sampling mode (`--sampling`) runs the same N streams once per sampler case of
 `SAMPLING_CASES` (greedy, temperature 0.7 + top_p 0.9, temperature 0.7 + top_k 40; the
-same prompts for each) and reports each case's tok/s and its ratio to greedy at that N.
+same prompts of exactly --prompt-tokens tokens for each) and reports each case's tok/s and
+its ratio to greedy at that N.
 Long-context mode (`--long`) runs the cases of `--contexts` (`C` is one prompt of C tokens,
 `NxC` N concurrent prompts of C tokens each; default 4k, 16k, 32k), each prompt distinct
 from its first tokens (no prefix reuse): TTFT, prefill tok/s, decode tok/s at that context
@@ -132,9 +133,11 @@ SAMPLING_CASES: dict[str, dict[str, Any]] = {
 
 
 async def sampling_table(engine: Engine, streams: list[int], prompt_tokens: int,
-                         new_tokens: int, offset: int = 0) -> list[dict[str, Any]]:
+                         new_tokens: int, offset: int = 0,
+                         exact: bool = False) -> list[dict[str, Any]]:
     """For each N, each sampler case on the same N prompts (no prefix kept between cases):
-    aggregate and steady-decode tok/s (N / step time) and both as a ratio to greedy's."""
+    aggregate and steady-decode tok/s (N / step time) and both as a ratio to greedy's.
+    `exact`: prompts of exactly `prompt_tokens` tokens (as llama-batched-bench's are)."""
     rows: list[dict[str, Any]] = []
     for i, n in enumerate(streams):
         greedy: dict[str, Any] | None = None
@@ -142,7 +145,7 @@ async def sampling_table(engine: Engine, streams: list[int], prompt_tokens: int,
             engine.drop_retained()
             r = {"case": name, **await run_streams(engine, n, prompt_tokens, new_tokens,
                                                    offset=offset + 100 * (i + 1),
-                                                   sampling=opts)}
+                                                   sampling=opts, exact=exact)}
             r["decode_tok_s"] = round(n * 1000 / r["step_ms"], 1) if r["step_ms"] else None
             if greedy is None:
                 greedy = r
@@ -319,7 +322,7 @@ def main(args: argparse.Namespace) -> int:
                         "temperature 0.7, top_p 0.9"])  # warm-up, the sampler's too
                     info["sampling"] = await sampling_table(engine, streams,
                                                             args.prompt_tokens,
-                                                            args.new_tokens)
+                                                            args.new_tokens, exact=True)
                     for r in info["sampling"]:
                         print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
                 if long_cases:  # warm-up: two prefill chunks (a full one's shapes compiled)
