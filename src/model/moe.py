@@ -10,6 +10,7 @@ on the GPU padding rows go through the experts too and SwiGLU is one CUDA kernel
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -39,7 +40,7 @@ class ExpertProj(Layer):
         # gather_qmm still takes each (row, expert) pair as its own one-row product
         if isinstance(weight, Mxfp4Weight) or (keep_quantized
                                                 and isinstance(weight, QuantizedWeight)):
-            self.q = weight
+            self.q = _with_spare_expert(weight) if mx.default_device() == mx.gpu else weight
         else:
             dense = (
                 weight.dequantize(dtype) if isinstance(weight, QuantizedWeight)
@@ -74,6 +75,21 @@ class ExpertProj(Layer):
         out = ([self.wt] if q is None else [q.weight, q.scales] if isinstance(q, Mxfp4Weight)
                else [q.weight, q.scales, q.biases])
         return out + ([] if self.bias is None else [self.bias])  # type: ignore[list-item]
+
+
+def _with_spare_expert(q: QuantizedWeight | Mxfp4Weight) -> QuantizedWeight | Mxfp4Weight:
+    """q with one zero expert after the last, which no row is routed to. MLX 0.32's CUDA
+    gather_qmm (its qmm_sm80 kernel) reads a few bytes past the end of the expert weights:
+    compute-sanitizer on the H200 shows it on tiny qwen3_moe and Gemma 4 MoE layers, and
+    where nothing is mapped after them the step dies with an illegal memory access. The
+    spare expert keeps those reads inside our own array (1/E more expert memory)."""
+
+    def spare(a: mx.array) -> mx.array:
+        return mx.concatenate([a, mx.zeros((1, *a.shape[1:]), dtype=a.dtype)])
+
+    if isinstance(q, Mxfp4Weight):
+        return replace(q, weight=spare(q.weight), scales=spare(q.scales))
+    return replace(q, weight=spare(q.weight), scales=spare(q.scales), biases=spare(q.biases))
 
 
 class SparseMoE(Layer):
