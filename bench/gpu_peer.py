@@ -66,10 +66,18 @@ def say(msg: str) -> None:
 
 
 def parse_contexts(text: str) -> list[tuple[int, int]]:
-    """`C` or `NxC` items, comma-separated -> [(N, C)] (slotserve bench's --contexts)."""
-    from slotserve.tools.bench import parse_contexts as parse
-
-    return parse(text)
+    """`C` or `NxC` items, comma-separated -> [(N, C)], as `slotserve bench --contexts`
+    reads them (tests/test_peer_gguf.py checks the two agree). Not imported from there: that
+    pulls in the engine and MLX, whose CUDA context has no business in the llama.cpp runs."""
+    cases = []
+    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
+        n, _, c = item.rpartition("x")
+        if not c.isdigit() or (n and not n.isdigit()) or int(c) < 1 or (n and int(n) < 1):
+            raise SystemExit(f"--contexts takes C or NxC items (4096, 8x16384), not {item!r}")
+        cases.append((int(n) if n else 1, int(c)))
+    if not cases:
+        raise SystemExit("--contexts is empty")
+    return cases
 
 
 def preset(name: str, layers: int | None) -> dict[str, Any]:

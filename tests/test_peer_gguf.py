@@ -141,3 +141,15 @@ def test_ratio_table_pairs_workloads_and_inverts_times() -> None:
     md = gpu_peer.markdown(list(rows.values()), sampled, peer, ours)
     assert ("| 8 x 16,384-token prompts + 128 new each, end to end (s) | 15.00 | 30.00 "
             "| 0.50 |") in md
+
+
+def test_contexts_read_as_slotserve_bench_reads_them() -> None:
+    from slotserve.tools.bench import parse_contexts
+
+    for text in ("1024,16384,8x16384,4x32768", " 64 , 2X128 "):
+        assert gpu_peer.parse_contexts(text) == parse_contexts(text)
+    for bad in ("", "8x", "ax64", "0x64", "-5"):
+        with pytest.raises(ValueError):
+            parse_contexts(bad)
+        with pytest.raises(SystemExit):
+            gpu_peer.parse_contexts(bad)
