@@ -15,7 +15,7 @@ import pytest
 from engine_harness import PROMPTS, EngineHarness
 from engine_harness import alternating_options as options
 
-from slotserve.model.layers import Backend
+from slotserve.model.layers import Backend, Batch
 from slotserve.tools.synth import synth
 
 pytestmark = [
@@ -75,3 +75,38 @@ def test_batch_and_prefix_invariance(harness: EngineHarness) -> None:
         cold = harness.call(lambda c=convo, i=i: engine.complete(c, **options(i)))
         assert warm.usage.reused_tokens > 0 and cold.usage.reused_tokens == 0
         assert warm.token_ids == cold.token_ids, i
+
+
+def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -> None:
+    """The plain forward alone (no engine, no compiled steps): a prompt's last logits are
+    the same prefilled whole or cut, and four sequences' rows in one step give each one's
+    bits alone; past the sliding window (64) so both layer kinds read a window."""
+    model = harness.engine.loaded.model
+    prompt = [int(t) % 4000 + 10 for t in range(7, 7 + 150 * 13, 13)]
+
+    def logits(cuts: list[int]) -> mx.array:
+        kv, start, out = model.new_kv(), 0, None
+        for end in [*cuts, len(prompt)]:
+            out = model(mx.array(prompt[start:end]), Batch.build([(kv, start, end - start)]),
+                        [end - start - 1])
+            start = end
+        return out[0]
+
+    def run() -> tuple[list[bool], list[bool]]:  # on the MLX thread, which owns the arrays
+        whole = logits([])
+        split = [logits(c) for c in ([64], [32, 96, 128])]
+        kvs = [model.new_kv() for _ in range(4)]
+        for kv, n in zip(kvs[2:], (37, 130), strict=True):
+            model(mx.array(prompt[:n]), Batch.build([(kv, 0, n)]), [n - 1])
+        feeds = [(prompt[:64], 0), (prompt[:100], 0), ([9], 37), ([11], 130)]
+        alone = [model(mx.array(t), Batch.build([(kv, s, len(t))]), [len(t) - 1])[0]
+                 for kv, (t, s) in zip(kvs, feeds, strict=True)]
+        parts = [(kv, s, len(t)) for kv, (t, s) in zip(kvs, feeds, strict=True)]
+        together = model(mx.array([x for t, _ in feeds for x in t]), Batch.build(parts),
+                         [63, 163, 164, 165])
+        return ([bool(mx.array_equal(s, whole)) for s in split],
+                [bool(mx.array_equal(together[i], alone[i])) for i in range(4)])
+
+    chunked, batched = harness.call(lambda: harness.engine.mlx.run(run))
+    assert all(chunked), chunked
+    assert all(batched), batched
