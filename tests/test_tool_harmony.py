@@ -21,13 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotserve.api.app import create_app
+from slotserve.api.generation import start_chat
 from slotserve.api.harmony import (
     HarmonyParser,
     harmony_call_grammar,
     harmony_no_call_grammar,
     template_is_harmony,
 )
-from slotserve.api.reasoning import ReasoningPiece
+from slotserve.api.reasoning import ReasoningPiece, Thinking
 from slotserve.api.server import BackgroundServer
 from slotserve.api.tool_formats import (
     HARMONY,
@@ -331,3 +332,20 @@ def test_none_writes_channels_not_markers(srv: BackgroundServer) -> None:
         reasoning = getattr(message, "reasoning_content", None) or ""
         for text in (message.content or "", reasoning):
             assert not any(t in text for t in HARMONY_TOKENS), (text, reasoning)
+
+
+def test_reasoning_effort_reaches_the_prompt(srv: BackgroundServer) -> None:
+    """A request's effort is gpt-oss's "Reasoning: ..." line (medium when none is asked)."""
+    state = srv.state
+
+    async def prompt(thinking: Thinking | None) -> str:
+        async with srv.app.test_request_context("/v1/chat/completions", method="POST"):
+            run = await start_chat(state, [{"role": "user", "content": "Hi"}], None,
+                                   ToolChoice("none"), {"max_tokens": 1}, thinking=thinking)
+            async for _ in run.stream:
+                pass
+            return run.engine.tokenizer.decode(run.prompt_ids)
+
+    assert "Reasoning: high\n" in srv.call(prompt(Thinking(effort="high")))
+    assert "Reasoning: low\n" in srv.call(prompt(Thinking(enabled=True, budget_tokens=1024)))
+    assert "Reasoning: medium\n" in srv.call(prompt(None))

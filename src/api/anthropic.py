@@ -26,10 +26,11 @@ from slotserve.api.generation import (
     ReplyEvent,
     chat_prompt,
     engine_failure,
+    engine_source,
     start_chat,
     stream_response,
 )
-from slotserve.api.reasoning import ReasoningPiece
+from slotserve.api.reasoning import ReasoningPiece, Thinking, template_options
 from slotserve.api.schemas import (
     AnthropicMessage,
     CountTokensBody,
@@ -90,6 +91,7 @@ class MessagesRequest:
     tools: list[dict[str, Any]] | None = None  # OpenAI-shaped, for the shared tool code
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     options: dict[str, Any] = field(default_factory=dict)
+    thinking: Thinking | None = None  # `thinking`, for a template with a reasoning switch
 
 
 # Claude Code starts its system prompt with a line that changes on every request
@@ -116,7 +118,7 @@ def parse_messages(body: dict[str, Any], count: bool = False) -> MessagesRequest
     return MessagesRequest(messages=b.messages, max_tokens=b.max_tokens, model=b.model,
                            system=None if b.system is None else system_text(b.system),
                            stream=b.stream, tools=tools, tool_choice=b.tool_choice_for(tools),
-                           options=b.options())
+                           options=b.options(), thinking=Thinking.anthropic(b.thinking))
 
 
 def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], str]:
@@ -303,7 +305,8 @@ async def count_tokens(state: AppState, req: MessagesRequest) -> Response:
     engine = state.ready_engine()
     msgs, prefill = chat_messages(req)
     try:
-        ids = await asyncio.to_thread(chat_prompt, state, engine, msgs, req.tools, prefill)
+        ids = await asyncio.to_thread(chat_prompt, state, engine, msgs, req.tools, prefill,
+                                      template_options(engine_source(engine), req.thinking))
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     return Response(dumps({"input_tokens": len(ids)}), content_type="application/json")
@@ -311,7 +314,8 @@ async def count_tokens(state: AppState, req: MessagesRequest) -> Response:
 
 async def messages(state: AppState, req: MessagesRequest) -> Response:
     msgs, prefill = chat_messages(req)
-    run = await start_chat(state, msgs, req.tools, req.tool_choice, req.options, prefill)
+    run = await start_chat(state, msgs, req.tools, req.tool_choice, req.options, prefill,
+                           thinking=req.thinking)
     ids = (_message_id(), state.model_id)
     if req.stream:
         return stream_response(_events(state, run, *ids))

@@ -38,7 +38,13 @@ from slotserve.api.errors import APIError, bad_request, error_body, json_respons
 from slotserve.api.harmony import HarmonyParser, harmony_call_grammar, harmony_no_call_grammar
 from slotserve.api.limits import chat_texts, refuse_unfit
 from slotserve.api.qwen_xml import QwenXmlParser, qwen_xml_call_grammar
-from slotserve.api.reasoning import ReasoningPiece, ReasoningSplitter, prompt_opens_thinking
+from slotserve.api.reasoning import (
+    ReasoningPiece,
+    ReasoningSplitter,
+    Thinking,
+    prompt_opens_thinking,
+    template_options,
+)
 from slotserve.api.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -332,16 +338,23 @@ def inline_past_calls(messages: list[dict[str, Any]],
     return out
 
 
+def engine_source(engine: Engine) -> str | None:
+    """The chat template's source (None without one)."""
+    return engine.template.source if engine.template is not None else None
+
+
 def chat_prompt(state: AppState, engine: Engine, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None, prefill: str = "") -> list[int]:
+                tools: list[dict[str, Any]] | None, prefill: str = "",
+                template_args: dict[str, Any] | None = None) -> list[int]:
     """The prompt ids of a chat. It depends on the messages and tools only, never on the tool
-    choice (see `slotserve.api.tools`)."""
+    choice (see `slotserve.api.tools`); `template_args` are the template's own switches
+    (`reasoning.template_options`)."""
     syntax = state.call_syntax
     if not state.template_renders_calls:
         messages = inline_past_calls(messages, syntax)
     if tools and not state.template_lists_tools:
         messages = with_system_text(messages, tool_listing(tools, syntax.example()))
-    return engine.render_chat(messages, tools, prefill=prefill)
+    return engine.render_chat(messages, tools, prefill=prefill, **(template_args or {}))
 
 
 async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, Any]] | None,
@@ -387,17 +400,18 @@ GRAMMAR_CACHE = 64  # compiled tool grammars kept (agents send the same tools ev
 async def start_chat(state: AppState, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None, choice: ToolChoice,
                      options: dict[str, Any], prefill: str = "",
-                     parallel_calls: bool = True) -> ChatRun:
+                     parallel_calls: bool = True, thinking: Thinking | None = None) -> ChatRun:
     """Render (tools listed whatever the choice), compile any grammar, and submit a chat.
 
     `prefill`: text the assistant's reply starts with (already written; not generated).
     """
     engine = state.ready_engine()
     refuse_if_queue_full(state, engine)
-    source = engine.template.source if engine.template is not None else None
+    source = engine_source(engine)
     await refuse_unfit(state, engine, chat_texts(messages, prefill, source), "messages")
     try:  # user text is text: only the template writes control tokens
-        ids = await asyncio.to_thread(chat_prompt, state, engine, messages, tools, prefill)
+        ids = await asyncio.to_thread(chat_prompt, state, engine, messages, tools, prefill,
+                                      template_options(source, thinking))
     except ValueError as exc:  # TemplateError: the template rejected these messages
         raise bad_request(str(exc), "messages") from None
     grammar = await tool_grammar(state, engine, tools, choice, parallel_calls)
@@ -432,7 +446,7 @@ def clamp_max_tokens(engine: Engine, ids: list[int], options: dict[str, Any]) ->
 
 async def chat(state: AppState, req: ChatRequest) -> Response:
     run = await start_chat(state, req.messages, req.tools, req.tool_choice, req.options,
-                           parallel_calls=req.parallel_tool_calls)
+                           parallel_calls=req.parallel_tool_calls, thinking=req.thinking)
     engine, stream = run.engine, run.stream
     fmt = LogprobFormatter(engine.tokenizer)
     rid = ResponseIds(state.model_id)

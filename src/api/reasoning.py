@@ -12,8 +12,13 @@ answer text only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import structlog
 
 from slotserve.api.tool_formats import TextPiece
+
+log = structlog.get_logger("slotserve.api")
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -99,3 +104,72 @@ class ReasoningSplitter:
             return []
         inside = self.state in ("lead", "reasoning")
         return [ReasoningPiece(buf) if inside else TextPiece(buf)]
+
+
+# ---- how much to think -------------------------------------------------------------------
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# gpt-oss's template knows three levels ("Reasoning: low" in its system message)
+_HARMONY_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "medium",
+                   "high": "high", "xhigh": "high"}
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """What a request asks of the model's reasoning: OpenAI's `reasoning_effort` (chat) or
+    `reasoning.effort` (Responses), Anthropic's `thinking` ({type: enabled, budget_tokens} /
+    disabled / adaptive)."""
+
+    effort: str | None = None
+    enabled: bool | None = None  # Anthropic: enabled / disabled (adaptive: None)
+    budget_tokens: int | None = None
+
+    @classmethod
+    def anthropic(cls, thinking: Any) -> Thinking | None:
+        if not isinstance(thinking, dict):
+            return None
+        kind = thinking.get("type")
+        budget = thinking.get("budget_tokens")
+        budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
+        if kind == "enabled":
+            return cls(enabled=True, budget_tokens=budget)
+        if kind == "disabled":
+            return cls(enabled=False)
+        return None  # adaptive: the model's own default
+
+    @classmethod
+    def openai(cls, effort: Any) -> Thinking | None:
+        return cls(effort=effort) if isinstance(effort, str) and effort in EFFORTS else None
+
+
+def template_options(source: str | None, thinking: Thinking | None) -> dict[str, Any]:
+    """The chat template's own reasoning switches for `thinking`: gpt-oss's `reasoning_effort`
+    (low / medium / high), Qwen3's and Qwen3.5's `enable_thinking`. A template with neither
+    gets nothing, and the request's setting is ignored with a log line; so is a thinking
+    budget, which no template takes (the model's reasoning is not cut at a token count)."""
+    if thinking is None:
+        return {}
+    text = source or ""
+    if thinking.budget_tokens is not None:
+        log.info("thinking budget not enforced", budget_tokens=thinking.budget_tokens)
+    if "reasoning_effort" in text:
+        effort = thinking.effort
+        if effort is None and thinking.enabled is not None:
+            effort = "low" if not thinking.enabled else _budget_effort(thinking.budget_tokens)
+        return {"reasoning_effort": _HARMONY_EFFORT[effort]} if effort else {}
+    if "enable_thinking" in text:
+        on = thinking.enabled
+        if on is None and thinking.effort is not None:
+            on = thinking.effort not in ("none", "minimal")
+        return {} if on is None else {"enable_thinking": on}
+    log.info("reasoning setting ignored: the chat template has no reasoning switch",
+             effort=thinking.effort, thinking_enabled=thinking.enabled)
+    return {}
+
+
+def _budget_effort(budget: int | None) -> str:
+    """An Anthropic thinking budget as gpt-oss's levels (Claude Code asks 31,999 for "think
+    harder" turns, 4,000 for "think")."""
+    if budget is None:
+        return "medium"
+    return "low" if budget <= 4096 else "medium" if budget <= 16384 else "high"

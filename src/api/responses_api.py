@@ -286,7 +286,7 @@ async def create(state: AppState, req: ResponsesRequest) -> Response:
     conversation = history + req.items
     run = await start_chat(state, with_instructions(req.instructions, conversation),
                            req.tools, req.tool_choice, req.options,
-                           parallel_calls=req.parallel_tool_calls)
+                           parallel_calls=req.parallel_tool_calls, thinking=req.thinking)
     reply = Reply(state, req, run, conversation)
     if req.stream:
         return stream_response(_events(reply))

@@ -59,6 +59,7 @@ from typing_extensions import TypedDict  # pydantic takes typing's only from Pyt
 
 from slotserve.api.errors import APIError, bad_request
 from slotserve.api.limits import MAX_MESSAGES
+from slotserve.api.reasoning import EFFORTS, Thinking
 from slotserve.api.tools import ToolChoice
 from slotserve.runtime.sampling import KNOB_RANGES, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, KnobRange
 
@@ -614,6 +615,8 @@ class ChatCompletionBody(_OpenAIBody):
     tools: Annotated[list[Tool], _known_tools(("function",))] | None = None
     tool_choice: OpenAIToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # passed to a chat template that has a reasoning switch (reasoning.template_options)
+    reasoning_effort: Literal[EFFORTS] | None = None  # type: ignore[valid-type]
 
     @field_validator("top_logprobs")
     @classmethod
@@ -651,7 +654,8 @@ class ChatCompletionBody(_OpenAIBody):
             messages=[m.template_message() for m in self.messages], model=self.model,
             stream=bool(self.stream), include_usage=self.include_usage, tools=tools,
             tool_choice=tool_choice, logprobs=logprobs, top_logprobs=top, options=options,
-            parallel_tool_calls=self.parallel_tool_calls is not False)
+            parallel_tool_calls=self.parallel_tool_calls is not False,
+            thinking=Thinking.openai(self.reasoning_effort))
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -726,6 +730,7 @@ class ChatRequest:
     top_logprobs: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # Engine.make_request keywords
     parallel_tool_calls: bool = True
+    thinking: Thinking | None = None
 
 
 @dataclass
@@ -904,15 +909,16 @@ class MessagesBody(Wire):
     tools: Annotated[list[AnthropicTool], _known_tools(("custom",))] | None = None
     tool_choice: AnthropicToolChoice | None = None
     cache_salt: CacheSalt | None = None
-    # accepted and left to the model's template: extended thinking (no hidden channel here),
-    # server-side context editing, and output settings (effort); each ignored with a log line
+    # extended thinking: passed to a chat template that has a reasoning switch
+    # (reasoning.template_options), else ignored with a log line; server-side context editing
+    # and output settings (effort): accepted and ignored with a log line
     thinking: Any = None
     context_management: Any = None
     output_config: Any = None
 
     @model_validator(mode="after")
     def _log_ignored(self) -> MessagesBody:
-        for key in ("thinking", "context_management", "output_config"):
+        for key in ("context_management", "output_config"):
             value = getattr(self, key)
             if value is not None:
                 log.info("request field ignored", field=key, value=short_repr(value))
@@ -1159,7 +1165,8 @@ class ResponsesBody(Wire):
             stream=bool(self.stream), store=self.store is not False,
             previous_response_id=self.previous_response_id, tools=tools,
             tool_choice=tool_choice, parallel_tool_calls=self.parallel_tool_calls is not False,
-            options=opts, echo={
+            options=opts, thinking=Thinking.openai((self.reasoning or {}).get("effort")),
+            echo={
                 "instructions": self.instructions, "tools": list(self.tools or []),
                 "tool_choice": choice.model_dump() if isinstance(choice, Wire)
                 else (choice or "auto"),
@@ -1189,6 +1196,7 @@ class ResponsesRequest:
     parallel_tool_calls: bool = True
     options: dict[str, Any] = field(default_factory=dict)
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response repeats
+    thinking: Thinking | None = None
 
 
 def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
