@@ -18,6 +18,7 @@ PEER_DIR=${PEER_DIR:-/tmp/llama.cpp-peer}
 TARBALL=${PEER_TARBALL:-$PWD/.gpupeer/llama.cpp-src.tar.xz}
 JOBS=${PEER_JOBS:-16}
 CUDA=${PEER_CUDA:-ON}  # OFF: the same build for the CPU (how it is checked off the device)
+TARGETS=${PEER_TARGETS:-llama-batched-bench llama-bench}
 BIN=$PEER_DIR/build/bin
 mkdir -p "$PEER_DIR"
 
@@ -53,7 +54,8 @@ build() {
   mapfile -t flags < "$tree/slotserve-cmake-flags.txt" || fail "no flags file in the tarball"
   nice -n 19 cmake -S "$tree" -B "$PEER_DIR/build" -DGGML_CUDA="$CUDA" \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON "${flags[@]}" || fail "cmake configure: exit $?"
-  nice -n 19 cmake --build "$PEER_DIR/build" -j "$JOBS" --target llama-batched-bench llama-bench \
+  # shellcheck disable=SC2086  # TARGETS is a list
+  nice -n 19 cmake --build "$PEER_DIR/build" -j "$JOBS" --target $TARGETS \
     || fail "cmake build: exit $?"
   echo "built in $((SECONDS - t0)) s: $BIN"
   date -u +%FT%TZ > "$PEER_DIR/built"
@@ -75,7 +77,7 @@ case "${1:-status}" in
   wait)
     limit=${2:-600} t0=$SECONDS
     while [ "$(state)" = building ] && [ $((SECONDS - t0)) -lt "$limit" ]; do
-      sleep 10
+      sleep 15
       echo "  building ($((SECONDS - t0)) s): $(grep -o '^\[ *[0-9]*%\]' "$PEER_DIR/build.log" | tail -1)"
     done
     s=$(state)
