@@ -37,6 +37,7 @@ from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
 from slotserve.api.harmony import HarmonyParser, harmony_call_grammar, harmony_no_call_grammar
 from slotserve.api.limits import chat_texts, refuse_unfit
+from slotserve.api.pythonic import PythonicParser
 from slotserve.api.qwen_xml import QwenXmlParser, qwen_xml_call_grammar
 from slotserve.api.reasoning import (
     ReasoningPiece,
@@ -55,6 +56,7 @@ from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tool_formats import (
     HARMONY,
+    PYTHONIC,
     QWEN_XML,
     ArgumentsPiece,
     CallEvent,
@@ -276,7 +278,7 @@ class ChatRun:
     engine: Engine
     session: Session
     stream: AsyncGenerator[Delta, None]
-    parser: CallParser | QwenXmlParser | None
+    parser: CallParser | QwenXmlParser | PythonicParser | None
     prompt_ids: list[int]
     splitter: ReasoningSplitter | None = None  # for a template that writes <think> blocks
     harmony: HarmonyParser | None = None  # gpt-oss: channels and calls in one parser
@@ -423,10 +425,13 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     calls = bool(tools) and choice.mode != "none"
     if state.call_syntax is HARMONY:
         return ChatRun(engine, session, stream, None, ids, harmony=HarmonyParser(calls))
-    parser: CallParser | QwenXmlParser | None = None
-    if calls:
-        parser = (QwenXmlParser(tools) if state.call_syntax is QWEN_XML
-                  else CallParser(state.call_syntax))
+    parser: CallParser | QwenXmlParser | PythonicParser | None = None
+    if calls and state.call_syntax is QWEN_XML:
+        parser = QwenXmlParser(tools)
+    elif calls and state.call_syntax is PYTHONIC:
+        parser = PythonicParser()
+    elif calls:
+        parser = CallParser(state.call_syntax)
     splitter = None
     if state.template_thinks:  # the template may have opened the block in the prompt
         splitter = ReasoningSplitter(prompt_opens_thinking(engine.tokenizer.decode(ids[-8:])))

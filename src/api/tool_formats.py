@@ -14,8 +14,11 @@ arguments' JSON text is passed on as it arrives (the surfaces send them as OpenA
 `tool_calls[i].function.arguments` chunks, Responses `function_call_arguments.delta` and
 Anthropic `input_json_delta`). A call's arguments are the JSON text the model wrote, so the
 streamed pieces and a non-streamed answer (the same parser over the whole text) give the same
-calls byte for byte. Pythonic calls (`[f(a=1)]`) and Gemma 4's
-(`<|tool_call>call:f{a:1}<tool_call|>`) are not JSON: each one is sent whole when it closes.
+calls byte for byte. Gemma 4's calls (`<|tool_call>call:f{a:1}<tool_call|>`) are not JSON:
+each one is sent whole when it closes. Three syntaxes have parsers of their own, with the same
+events: pythonic calls (`[f(a=1)]`, `slotserve.api.pythonic`, which `parse_reply` here reads
+whole), gpt-oss's harmony channels (`slotserve.api.harmony`) and Qwen3-Coder's XML
+(`slotserve.api.qwen_xml`).
 
 `call_grammar` is the Lark grammar (llguidance) of one or more calls of the given tools in the
 syntax, each tool's arguments constrained by its JSON schema: with it a forced call is always
