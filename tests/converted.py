@@ -317,8 +317,11 @@ def dequantized_hf(hf_dir: Path, gguf_file: Path) -> Path:
 
         cfg = transformers.AutoConfig.from_pretrained(hf_dir)
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
-                                       model_to_load=model)["tensors"]
+        if cfg.model_type == "gpt_oss":
+            tensors = _gpt_oss_tensors(gguf_file)
+        else:
+            tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
+                                           model_to_load=model)["tensors"]
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         tied = {"lm_head.weight"} if cfg.get_text_config().tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
@@ -329,3 +332,49 @@ def dequantized_hf(hf_dir: Path, gguf_file: Path) -> Path:
             shutil.copy(f, out / f.name)
 
     return _cached("dequantized", key, make)
+
+
+def _gpt_oss_tensors(gguf_file: Path) -> dict[str, Any]:
+    """A gpt-oss GGUF's tensors dequantized by gguf-py, under transformers' names and in its
+    layout. transformers' own GGUF reader fails on gpt-oss (5.24 reads each rope.scaling
+    key's length field as its value) and names the experts one by one, where its model
+    holds them fused; this is the inverse of llama.cpp's conversion/gpt_oss.py: gate and up
+    stacks [E, inter, hidden] interleaved (gate at even columns) into gate_up_proj
+    [E, hidden, 2 * inter], down [E, hidden, inter] transposed to [E, inter, hidden]."""
+    import gguf
+    import numpy as np
+    import torch
+
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "ffn_gate_inp": "mlp.router"}
+    top = {"token_embd.weight": "model.embed_tokens.weight",
+           "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+        tuple(reversed([int(d) for d in t.shape]))).astype(np.float32)
+        for t in gguf.GGUFReader(str(gguf_file)).tensors}
+    out: dict[str, Any] = {}
+    layers = sorted({int(n.split(".")[1]) for n in raw if n.startswith("blk.")})
+    for name, t in raw.items():
+        if name in top:
+            out[top[name]] = t
+            continue
+        _, i, part, kind = name.split(".")
+        p = f"model.layers.{i}"
+        if part == "attn_sinks":
+            out[f"{p}.self_attn.sinks"] = t
+        elif part in names:
+            out[f"{p}.{names[part]}.{kind}"] = t
+    for i in layers:
+        b, e = f"blk.{i}", f"model.layers.{i}.mlp.experts"
+        gate, up = raw[f"{b}.ffn_gate_exps.weight"], raw[f"{b}.ffn_up_exps.weight"]
+        gate_up = np.empty((gate.shape[0], gate.shape[2], 2 * gate.shape[1]), np.float32)
+        gate_up[..., 0::2], gate_up[..., 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+        gb, ub = raw[f"{b}.ffn_gate_exps.bias"], raw[f"{b}.ffn_up_exps.bias"]
+        bias = np.empty((gb.shape[0], 2 * gb.shape[1]), np.float32)
+        bias[:, 0::2], bias[:, 1::2] = gb, ub
+        out[f"{e}.gate_up_proj"], out[f"{e}.gate_up_proj_bias"] = gate_up, bias
+        out[f"{e}.down_proj"] = raw[f"{b}.ffn_down_exps.weight"].transpose(0, 2, 1)
+        out[f"{e}.down_proj_bias"] = raw[f"{b}.ffn_down_exps.bias"]
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}

@@ -12,14 +12,19 @@ Tensor data is read through a memory map. What each type becomes:
   so the codes are taken as they are (lossless; the K-quants' per-block scales
   d * sc and biases -dmin * m are rounded to float16, as MLX's own GGUF reader stores the
   legacy types' d). These are the layouts the CPU and GPU quantized matmuls take.
+- MXFP4 expert stacks (3-D [experts, out, in], as llama.cpp's MXFP4_MOE and its gpt-oss
+  files hold them) -> MLX `mxfp4` (lossless: the same E2M1 codes and E8M0 scales per 32
+  weights, as slotserve.kernels.quantized.Mxfp4Weight; the expert kernels run it). A 2-D
+  MXFP4 tensor is requantized as below (the dense matmuls take no mxfp4).
 - Every other type the `gguf` package dequantizes (Q2_K, Q3_K, Q6_K, the IQ and TQ types,
-  MXFP4, ...): dequantized by it once at load and requantized to MLX affine 8-bit, group 32
+  ...): dequantized by it once at load and requantized to MLX affine 8-bit, group 32
   (error within about one 8-bit step and the float16 rounding of its scale and bias: under
   2% of each 32-weight group's largest magnitude, where Q6_K's own step is 3%).
 - Anything else is refused, naming the types that load.
 
 The result is shaped as `mx.load` gives GGUF (`<name>.weight` / `.scales` / `.biases`
-triples for quantized tensors; metadata values as str, list or MLX arrays), which
+triples for quantized tensors, `.weight` / `.scales` (uint8) pairs for mxfp4 ones; metadata
+values as str, list or MLX arrays), which
 `slotserve.model.weights.read_gguf` maps to Hugging Face names.
 """
 
@@ -191,6 +196,13 @@ def _read_tensor(path: Path, data: np.memmap, info: TensorInfo,
         raise UnsupportedModelError(
             f"{path}: tensor {info.name!r} ({info.kind.name}) has rows of {k}, "
             f"not a multiple of {GROUP}")
+    if info.kind == T.MXFP4 and len(info.shape) == 3:
+        blocks = np.asarray(raw).reshape(-1, size)  # e (E8M0), qs[16] (codes j, j + 16)
+        out[base + ".weight"] = _pack(_nibbles(blocks[:, 1:]).reshape(rows, k), 4).reshape(
+            *lead, -1)
+        out[base + ".scales"] = mx.array(np.ascontiguousarray(blocks[:, 0])).reshape(
+            *lead, k // GROUP)
+        return "lossless", "MLX mxfp4"
     exact = _EXACT.get(info.kind)
     if exact is not None:
         bits, decode = exact

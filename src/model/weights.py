@@ -20,7 +20,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from slotserve.kernels.quantized import QuantizedWeight
+from slotserve.kernels.quantized import Mxfp4Weight, QuantizedWeight
 from slotserve.model.config import ModelConfig
 from slotserve.model.errors import ModelLoadError, UnsupportedModelError
 
@@ -82,8 +82,10 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
         if w is None:
             raise UnsupportedModelError(f"{path}: tensor {base} has no weight")
         scales = raw.get(base + ".scales")
-        tensor: Tensor
-        if scales is not None:
+        tensor: Tensor | Mxfp4Weight
+        if scales is not None and scales.dtype == mx.uint8:  # E8M0 scales: MXFP4 experts
+            tensor = Mxfp4Weight(w, scales)
+        elif scales is not None:
             bits = w.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE_GGUF)
             tensor = QuantizedWeight(w, scales, raw[base + ".biases"], GROUP_SIZE_GGUF, bits)
         elif w.dtype in (mx.uint8, mx.uint32, mx.int8):

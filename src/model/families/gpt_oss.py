@@ -13,6 +13,11 @@ they are brought to moe.SparseMoE's [E, out, in] with gate rows before up rows h
 released checkpoints keep the experts in MXFP4 (`*_blocks` [E, out, in / 32, 16] bytes and
 `*_scales`, rows interleaved alike), which are MLX's own `mxfp4` codes: kept so on every
 device (gather_qmm, mode mxfp4).
+
+llama.cpp's GGUF files store the experts as separate gate / up / down stacks [E, out, in]
+(`ffn_{gate,up,down}_exps`, with biases), MXFP4 in its released files (slotserve.model.gguf
+keeps them mxfp4), the sinks as `attn_sinks`; the file says neither the layer pattern
+(llama.cpp fixes it: even layers sliding) nor YaRN's `truncate` (false in gpt-oss's config).
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from typing import Any
 import mlx.core as mx
 
 import slotserve.model.families.llama as llama
-from slotserve.kernels.quantized import Mxfp4Weight
+from slotserve.kernels.quantized import Mxfp4Weight, QuantizedWeight
 from slotserve.model import decoder, layers, moe
-from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.family import Family
 from slotserve.model.weights import Tensor
+
+FULL = "full_attention"
 
 
 @dataclass
@@ -49,11 +55,23 @@ class Config(llama.Config):
 
     @classmethod
     def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
-        """Refused: the GGUF reader does not take gpt-oss's sinks, YaRN keys and MXFP4
-        experts yet (a file read without them would answer wrong)."""
-        raise UnsupportedModelError(
-            "gpt-oss GGUF files are not supported yet; supported for gpt-oss: Hugging Face "
-            "directories with float (bf16/f32) weights")
+        """As llama.cpp's converter writes gpt-oss (conversion/gpt_oss.py) and its runtime
+        reads it: experts from `expert_*` keys, the window from `attention.sliding_window`
+        on the even layers (llama.cpp's fixed pattern for the architecture, as gpt-oss's
+        layer_types alternate), YaRN without truncation of its correction range (the
+        released config's `truncate: false`; the file has no key for it: common's
+        rope_scaling is completed in place). The clamp and alpha are the architecture's
+        constants in llama.cpp too."""
+        rope = common["rope_scaling"]
+        if rope is not None and rope.get("rope_type") == "yarn":
+            rope.setdefault("truncate", False)
+        window = get("attention.sliding_window")
+        n = common["num_layers"]
+        return dict(attention_bias=True, num_experts=int(get("expert_count")),
+                    experts_per_token=int(get("expert_used_count")),
+                    sliding_window=int(window) if window else None,
+                    layer_types=[llama.SLIDING if i % 2 == 0 else FULL for i in range(n)]
+                    if window else [])
 
 
 def clamped_glu(alpha: float, limit: float) -> moe.Glu:
@@ -74,6 +92,21 @@ def deinterleave(t: mx.array | Mxfp4Weight, axis: int) -> mx.array | Mxfp4Weight
     return t.take(order, axis) if isinstance(t, Mxfp4Weight) else mx.take(t, order, axis=axis)
 
 
+def concat_rows(a: Tensor | Mxfp4Weight, b: Tensor | Mxfp4Weight) -> Tensor | Mxfp4Weight:
+    """Two [E, out, in] expert stacks of one format as one, a's rows first (llama.cpp's
+    separate gate and up stacks as moe.SparseMoE's gate_up); mixed formats in float."""
+    if isinstance(a, Mxfp4Weight) and isinstance(b, Mxfp4Weight):
+        return Mxfp4Weight(mx.concatenate([a.weight, b.weight], axis=1),
+                           mx.concatenate([a.scales, b.scales], axis=1))
+    if isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight) and (
+            (a.bits, a.group_size) == (b.bits, b.group_size)):
+        return QuantizedWeight(*(mx.concatenate([x, y], axis=1) for x, y in (
+            (a.weight, b.weight), (a.scales, b.scales), (a.biases, b.biases))),
+            a.group_size, a.bits)
+    return mx.concatenate([t if isinstance(t, mx.array) else t.dequantize(mx.float32)
+                           for t in (a, b)], axis=1)
+
+
 def expert_matrix(w: dict[str, Tensor], name: str) -> mx.array | Mxfp4Weight:
     """An expert projection as [E, out, in]: MXFP4 blocks as they are, float [E, in, out]
     transposed."""
@@ -92,17 +125,23 @@ class Experts(moe.SparseMoE):
     def __init__(self, cfg: Config, w: dict[str, Tensor], p: str, dtype: mx.Dtype,
                  quant: bool) -> None:
         e = f"{p}.experts"
-        gate_up_bias = w[f"{e}.gate_up_proj_bias"]
-        assert isinstance(gate_up_bias, mx.array), "biases are never quantized"
+        if f"{e}.gate_proj.weight" in w:  # llama.cpp's separate stacks (GGUF)
+            gate_up = concat_rows(w[f"{e}.gate_proj.weight"], w[f"{e}.up_proj.weight"])
+            gate_up_bias = mx.concatenate([w[f"{e}.gate_proj.bias"],  # type: ignore[list-item]
+                                           w[f"{e}.up_proj.bias"]], axis=1)
+            down, down_bias = w[f"{e}.down_proj.weight"], w[f"{e}.down_proj.bias"]
+        else:  # transformers' fused, interleaved gate_up
+            gate_up = deinterleave(expert_matrix(w, f"{e}.gate_up_proj"), axis=1)
+            bias = w[f"{e}.gate_up_proj_bias"]
+            assert isinstance(bias, mx.array), "biases are never quantized"
+            gate_up_bias = deinterleave(bias, axis=1)
+            down, down_bias = expert_matrix(w, f"{e}.down_proj"), w[f"{e}.down_proj_bias"]
         super().__init__(
-            w[f"{p}.router.weight"],
-            deinterleave(expert_matrix(w, f"{e}.gate_up_proj"), axis=1),  # type: ignore[arg-type]
-            expert_matrix(w, f"{e}.down_proj"),  # type: ignore[arg-type]
+            w[f"{p}.router.weight"], gate_up, down,  # type: ignore[arg-type]
             inter=cfg.intermediate_size, top_k=cfg.experts_per_token, norm_topk=True,
             dtype=dtype, keep_quantized=quant,
             glu=clamped_glu(cfg.swiglu_alpha, cfg.swiglu_limit),
-            biases=(w[f"{p}.router.bias"], deinterleave(gate_up_bias, axis=1),  # type: ignore[arg-type]
-                    w[f"{e}.down_proj_bias"]),
+            biases=(w[f"{p}.router.bias"], gate_up_bias, down_bias),  # type: ignore[arg-type]
         )
 
 
@@ -123,6 +162,12 @@ class Model(llama.Model):
     block_class = Block
 
 
+def gguf_sinks(weights: dict[str, Tensor], cfg: llama.Config) -> None:
+    """llama.cpp's `attn_sinks.weight` under transformers' name (`self_attn.sinks`)."""
+    for name in [k for k in weights if k.endswith(".self_attn.sinks.weight")]:
+        weights[name.removesuffix(".weight")] = weights.pop(name)
+
+
 FAMILY = Family(
     name="gpt_oss",
     config=Config,
@@ -130,4 +175,13 @@ FAMILY = Family(
     hf_architectures=("GptOssForCausalLM",),
     hf_model_type="gpt_oss",
     gguf_architecture="gpt-oss",
+    gguf_layer_names={
+        "attn_sinks": "self_attn.sinks",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.router",
+        "ffn_gate_exps": "mlp.experts.gate_proj",
+        "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj",
+    },
+    sanitize=gguf_sinks,
 )
