@@ -188,6 +188,10 @@ async def long_table(engine: Engine, cases: list[tuple[int, int]], new_tokens: i
     prefill tok/s is the N * C prompt tokens over the slowest TTFT (the last prompt's first
     token ends the prefill of all of them); decode tok/s = N / step time over the steps
     that decoded all N rows at that context."""
+    too_long = [c for _, c in cases if c + new_tokens > engine.context_length]
+    if too_long:
+        raise SystemExit(f"slotserve bench --long: {max(too_long)} prompt tokens + {new_tokens} "
+                         f"new do not fit this model's context of {engine.context_length}")
     rows = []
     for i, (n, ctx) in enumerate(cases):
         engine.drop_retained()
