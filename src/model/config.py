@@ -199,4 +199,4 @@ def config_from_gguf(meta: dict[str, Any], family: ConfigFamily, source: str,
         tie_embeddings="output.weight" not in meta.get("__tensor_names__", ()),
     )
     own = family.config.gguf_fields(lambda key, default=None: get(p + key, default), common)
-    return family.config(**common, **own)
+    return family.config(**{**common, **own})  # (a family may correct a common field)

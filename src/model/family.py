@@ -40,6 +40,8 @@ class Family:
     gguf_architecture: str  # GGUF general.architecture
     # llama.cpp layer tensor names of this family beyond (or instead of) weights.GGUF_LAYER_NAMES
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
+    # llama.cpp names of tensors outside the blocks beyond weights.GGUF_TOP_NAMES
+    gguf_top_names: Mapping[str, str] = field(default_factory=dict)
     # llama.cpp stores Q/K rows interleaved per head (for its interleaved RoPE): undo it
     gguf_interleaved_qk: bool = False
     # llama.cpp stores this family's norm weights plus this offset: subtract it

@@ -199,15 +199,15 @@ class Tokenizer:
                                  f"for {len(tokens)} tokens")
         if kind == "gpt2":
             hf = _byte_level_bpe(tokens, get("merges") or [], get("pre") or "default", source)
-        elif kind == "llama":
+        elif kind in ("llama", "gemma4"):  # gemma4: SentencePiece-style BPE with merges
             hf = _sentencepiece_bpe(tokens, types, meta, source)
         else:
             raise UnsupportedModelError(
                 f"{source}: tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; "
-                "only 'gpt2' and 'llama' are")
+                "only 'gpt2', 'llama' and 'gemma4' are")
         hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                for t, ty in zip(tokens, types, strict=True) if ty == CONTROL])
-        hf.add_tokens([AddedToken(t, special=False, normalized=kind == "llama")
+        hf.add_tokens([AddedToken(t, special=False, normalized=kind != "gpt2")
                        for t, ty in zip(tokens, types, strict=True) if ty == USER_DEFINED])
         bos = get("bos_token_id")
         add_bos = bool(get("add_bos_token", kind == "llama")) and bos is not None

@@ -56,6 +56,9 @@ class GGUFConventions(Protocol):
     def gguf_layer_names(self) -> Mapping[str, str]: ...
 
     @property
+    def gguf_top_names(self) -> Mapping[str, str]: ...
+
+    @property
     def gguf_interleaved_qk(self) -> bool: ...
 
     @property
@@ -74,9 +77,17 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
               raw: dict[str, mx.array]) -> dict[str, Tensor]:
     """Map GGUF tensors (as slotserve.model.gguf.read_tensors gives them) to HF names."""
     layer_names = {**GGUF_LAYER_NAMES, **family.gguf_layer_names}
+    top_names = {**GGUF_TOP_NAMES, **family.gguf_top_names}
     heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
     out: dict[str, Tensor] = {}
     bases = sorted({k.rsplit(".", 1)[0] for k in raw})
+    # dense tensors beside a weight under another suffix (Gemma 4's router and expert
+    # `.scale`s): kept under the HF name plus that suffix, for the family to place
+    extras: dict[str, dict[str, mx.array]] = {}
+    for key, value in raw.items():
+        base, _, suffix = key.rpartition(".")
+        if base and suffix not in ("weight", "scales", "biases", "bias"):
+            extras.setdefault(base, {})[suffix] = value
     for base in bases:
         w = raw.get(base + ".weight")
         if w is None:
@@ -102,8 +113,8 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
             if family.gguf_interleaved_qk and part in heads:
                 tensor = _unpermute_rows(tensor, heads[part])
                 bias = None if bias is None else _unpermute_rows(bias, heads[part])
-        elif base in GGUF_TOP_NAMES:
-            name = GGUF_TOP_NAMES[base]
+        elif base in top_names:
+            name = top_names[base]
         else:
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {base!r}")
         if family.gguf_norm_offset and name.endswith("norm") and isinstance(tensor, mx.array):
@@ -111,6 +122,8 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
         out[name + ".weight"] = tensor
         if bias is not None:
             out[name + ".bias"] = bias
+        for suffix, value in extras.get(base, {}).items():
+            out[f"{name}.{suffix}"] = value
     return out
 
 

@@ -56,6 +56,9 @@ class Config(ModelConfig):
     top_k_experts: int = 0
     moe_intermediate_size: int = 0
     use_double_wide_mlp: bool = False  # shared-K/V layers' MLPs are twice as wide
+    # a GGUF file says nothing of attention_k_eq_v: its full layers simply lack attn_v, so it
+    # is read off the tensors (text_decoder) before the model is built
+    k_eq_v_from_tensors: bool = False
 
     tied_by_default: ClassVar[bool] = True
 
@@ -160,10 +163,72 @@ class Config(ModelConfig):
 
     @classmethod
     def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
-        raise UnsupportedModelError("gemma4 GGUF files are not read yet (their per-layer "
-                                    "head counts, .scale tensors and gemma4 tokenizer); "
-                                    "supported: Hugging Face safetensors directories, bf16 "
-                                    "or float32, and MLX 4/8-bit (mlx_lm.convert)")
+        """As llama.cpp's converter writes Gemma 4 (conversion/gemma.py, Gemma4Model): the
+        layer kinds as a per-layer `sliding_window_pattern`, kv heads per layer, the global
+        head size as `key_length` and the sliding one as `key_length_swa`, MLP widths per
+        layer (double-wide shared layers), and the global layers' proportional RoPE as the
+        `rope_freqs` tensor (divisor 1 for the frequencies that turn, 1e30 for the rest)."""
+        n = common["num_layers"]
+        pattern = get("attention.sliding_window_pattern")
+        if not isinstance(pattern, mx.array) or pattern.size != n:
+            raise UnsupportedModelError("gemma4 GGUF: attention.sliding_window_pattern is not "
+                                        "a per-layer list; supported: llama.cpp's converter's")
+        types = [SLIDING if bool(x) else FULL for x in pattern.tolist()]
+        kv = get("attention.head_count_kv", common["num_kv_heads"])
+        kv = [int(h) for h in kv.tolist()] if isinstance(kv, mx.array) else [int(kv)] * n
+        heads = {kind: {h for h, t in zip(kv, types, strict=True) if t == kind}
+                 for kind in (SLIDING, FULL)}
+        dims = {SLIDING: int(get("attention.key_length_swa") or common["head_dim"]),
+                FULL: int(get("attention.key_length") or common["head_dim"])}
+        values = {SLIDING: get("attention.value_length_swa"), FULL: get("attention.value_length")}
+        if any(len(h) > 1 for h in heads.values()) or any(
+                v is not None and int(v) != dims[k] for k, v in values.items()):
+            raise UnsupportedModelError(f"gemma4 GGUF: kv heads {kv}, key/value lengths "
+                                        f"{dims}/{values}; supported: one shape per layer kind, "
+                                        "values as long as keys")
+        if int(get("rope.dimension_count_swa") or dims[SLIDING]) != dims[SLIDING]:
+            raise UnsupportedModelError("gemma4 GGUF: partial RoPE on sliding layers is "
+                                        "unsupported (supported: the whole head)")
+        shared = int(get("attention.shared_kv_layers") or 0)
+        ff = get("feed_forward_length", common["intermediate_size"])
+        ff = [int(f) for f in ff.tolist()] if isinstance(ff, mx.array) else [int(ff)] * n
+        experts = int(get("expert_count") or 0)
+        cap = get("final_logit_softcapping")
+        window = get("attention.sliding_window")
+        return dict(
+            head_dim=dims[SLIDING], num_kv_heads=next(iter(heads[SLIDING]), kv[0]),
+            intermediate_size=ff[0],
+            rope_scaling=cls._gguf_rope(common["rope_scaling"], dims[FULL]),
+            sliding_window=int(window) if window else None, layer_types=types,
+            rope_local_theta=float(get("rope.freq_base_swa", 10000.0)),
+            final_logit_softcapping=float(cap) if cap else None,
+            global_head_dim=dims[FULL], global_kv_heads=next(iter(heads[FULL]), kv[0]),
+            num_kv_shared_layers=shared, k_eq_v_from_tensors=True,
+            hidden_size_per_layer_input=int(get("embedding_length_per_layer_input") or 0),
+            vocab_size_per_layer_input=common["vocab_size"],
+            enable_moe_block=experts > 0, num_experts=experts,
+            top_k_experts=int(get("expert_used_count") or 0),
+            moe_intermediate_size=int(get("expert_feed_forward_length") or 0),
+            use_double_wide_mlp=ff[-1] == 2 * ff[0] and shared > 0,
+        )
+
+    @staticmethod
+    def _gguf_rope(scaling: dict[str, Any] | None, head_dim: int) -> dict[str, Any] | None:
+        """The global layers' RoPE from the converter's rope_freqs divisors: the leading
+        frequencies divided by 1 turn, the rest (divided by 1e30) stand still, which is HF's
+        proportional RoPE with partial_rotary_factor = 2 * turning / head_dim (there they are
+        exactly 0, as here)."""
+        if scaling is None:
+            return None
+        factors = scaling.get("factors") if scaling.get("rope_type") == "freq_factors" else None
+        if factors is None or len(factors) != head_dim // 2:
+            raise UnsupportedModelError(f"gemma4 GGUF: global-layer RoPE {scaling!r}; "
+                                        "supported: the converter's proportional rope_freqs")
+        turning = sum(1 for f in factors if f == 1.0)
+        if factors[:turning] != [1.0] * turning or any(f < 1e29 for f in factors[turning:]):
+            raise UnsupportedModelError("gemma4 GGUF: rope_freqs is not 1s then 1e30s; "
+                                        "supported: the converter's proportional RoPE")
+        return {"rope_type": "proportional", "partial_rotary_factor": 2 * turning / head_dim}
 
     def hf_keys(self) -> dict[str, Any]:
         full = [i for i in range(self.num_layers) if not self.is_sliding(i)]
@@ -402,11 +467,57 @@ class Model(decoder.Decoder):
         return mx.tanh(logits / self.softcap) * self.softcap
 
 
+# llama.cpp's block tensors under HF's names (the rest of weights.GGUF_LAYER_NAMES holds)
+GGUF_LAYER_NAMES = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "layer_output_scale": "layer_scalar",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+GGUF_TOP_NAMES = {
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+}
+# (name ending as read from GGUF, HF's): tensors HF keeps without ".weight", and the router's
+# scales, which llama.cpp stores beside the router and the experts' down projections
+GGUF_RENAMES = (
+    (".layer_scalar.weight", ".layer_scalar"),
+    (".experts.gate_up_proj.weight", ".experts.gate_up_proj"),
+    (".experts.down_proj.weight", ".experts.down_proj"),
+    (".router.proj.scale", ".router.scale"),
+    (".experts.down_proj.scale", ".router.per_expert_scale"),
+)
+
+
 def text_decoder(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
     """Keep the text decoder's tensors: drop a multimodal checkpoint's vision and audio
     towers, and the K/V projections shared layers still carry (HF ignores them too); read
-    mlx-lm's expert stacks (`experts.switch_glu.<proj>`) as stacked `experts.<proj>`."""
+    mlx-lm's expert stacks (`experts.switch_glu.<proj>`) as stacked `experts.<proj>`, and
+    llama.cpp's names (GGUF_RENAMES; attention_k_eq_v from its full layers' missing
+    attn_v)."""
     assert isinstance(cfg, Config)
+    for name in list(weights):  # llama.cpp's names for what HF stores without ".weight"
+        for stored, held in GGUF_RENAMES:
+            if name.endswith(stored):
+                weights[name.removesuffix(stored) + held] = weights.pop(name)
+                break
+    if cfg.k_eq_v_from_tensors:
+        full = [i for i in range(cfg.first_shared) if not cfg.is_sliding(i)]
+        cfg.attention_k_eq_v = bool(full) and all(
+            f"model.layers.{i}.self_attn.v_proj.weight" not in weights for i in full)
+        cfg.k_eq_v_from_tensors = False
     shared = [f"model.layers.{i}.self_attn.{name}" for i in range(cfg.first_shared,
                                                                    cfg.num_layers)
               for name in ("k_proj", "v_proj", "k_norm", "v_norm")]
@@ -424,6 +535,8 @@ FAMILY = Family(
     hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
     hf_model_type="gemma4_text",
     gguf_architecture="gemma4",
+    gguf_layer_names=GGUF_LAYER_NAMES,
+    gguf_top_names=GGUF_TOP_NAMES,
     sanitize=text_decoder,
     template_markers=TEMPLATE_MARKERS,
 )
