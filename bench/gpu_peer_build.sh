@@ -34,19 +34,33 @@ state() {
   fi
 }
 
-# the build itself (the detached child runs this)
-build() {
-  local t0=$SECONDS nvcc
-  echo "$$" > "$PEER_DIR/build.pid"
-  fail() { echo "FAILED: $*"; echo "$*" > "$PEER_DIR/failed"; exit 1; }
+fail() { echo "FAILED: $*"; echo "$*" > "$PEER_DIR/failed"; exit 1; }
+
+# the tools the build needs, checked before it is started (so the starting call says what
+# is missing) and again in the build
+preflight() {
+  local nvcc
   command -v cmake >/dev/null || fail "cmake absent on this machine (needed >= 3.14)"
   command -v c++ >/dev/null || fail "no C++ compiler (c++) on this machine"
+  [ -f "$TARBALL" ] || fail "no $TARBALL: run scripts/trim_llamacpp.py here and carry .gpupeer/"
   if [ "$CUDA" = ON ]; then
     nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc 2>/dev/null | tail -1)
     [ -n "$nvcc" ] && [ -x "$nvcc" ] || fail "nvcc absent: no CUDA toolkit (looked on PATH and in /usr/local/cuda*/bin)"
     export CUDACXX=$nvcc PATH=$(dirname "$nvcc"):$PATH
-    echo "nvcc: $("$nvcc" --version | tail -1)"
+    local root
+    root=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
+    ls "$root"/lib64/libcublas.so* "$root"/targets/*/lib/libcublas.so* \
+      /usr/lib/*/libcublas.so* >/dev/null 2>&1 \
+      || echo "warning: no libcublas.so next to $nvcc: ggml-cuda links CUDA::cublas, the configure may stop there"
   fi
+}
+
+# the build itself (the detached child runs this)
+build() {
+  local t0=$SECONDS
+  echo "$$" > "$PEER_DIR/build.pid"
+  preflight
+  [ "$CUDA" = ON ] && echo "nvcc: $("$CUDACXX" --version | tail -1)"
   echo "cmake: $(cmake --version | head -1); CUDA: $CUDA; jobs: $JOBS"
   rm -rf "$PEER_DIR/src" && mkdir -p "$PEER_DIR/src"
   tar xJf "$TARBALL" -C "$PEER_DIR/src" || fail "cannot unpack $TARBALL"
@@ -67,8 +81,8 @@ case "${1:-status}" in
     if [ "$s" = built ] || [ "$s" = building ]; then
       echo "llama.cpp peer build: $s ($PEER_DIR)"; exit 0
     fi
-    [ -f "$TARBALL" ] || { echo "no $TARBALL: run scripts/trim_llamacpp.py here and carry .gpupeer/"; exit 1; }
     rm -f "$PEER_DIR/failed"
+    preflight
     setsid nohup bash "$0" _build > "$PEER_DIR/build.log" 2>&1 < /dev/null &
     echo "$!" > "$PEER_DIR/build.pid"
     echo "llama.cpp peer build started in the background (pid $!, -j $JOBS, log $PEER_DIR/build.log)"
