@@ -90,7 +90,8 @@ PEER_DEVICE=${PEER_DEVICE:-gpu}
 PEER_GGUF_ARGS=${PEER_GGUF_ARGS:-}  # e.g. "--preset tiny-llama" for a dry run off the device
 export PEER_DIR
 mkdir -p "$PEER_RES"
-if want peer; then STAGES="$STAGES peer_gguf peer_llamacpp peer_slotserve peer_table "; fi
+# peer = all its parts; peer_build is idempotent (starts a build only where none ran)
+if want peer; then STAGES="$STAGES peer_build peer_gguf peer_llamacpp peer_slotserve peer_table "; fi
 
 # first of all stages, whatever the order asked: the build then runs while the others do
 if want peer_build; then
