@@ -332,6 +332,13 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- table
 
 
+def _sampled(ours: dict[str, Any]) -> list[dict[str, Any]]:
+    """slotserve bench's sampler table; without --sampling its "sampling" is the one sampler
+    setting the run used (a dict), not a table."""
+    rows = ours.get("sampling")
+    return rows if isinstance(rows, list) else []
+
+
 def _ratio(ours: float | None, theirs: float | None, times: bool = False) -> float | None:
     if not ours or not theirs:
         return None
@@ -342,7 +349,7 @@ def ratio_rows(peer: dict[str, Any], ours: dict[str, Any]) -> list[dict[str, Any
     """One row per workload: llama.cpp's number, slotserve's, ratio (> 1: slotserve faster)."""
     rows: list[dict[str, Any]] = []
     decode = {r["pl"]: r for r in peer.get("decode", [])}
-    greedy = {r["streams"]: r for r in ours.get("sampling", []) if r["case"] == "greedy"}
+    greedy = {r["streams"]: r for r in _sampled(ours) if r["case"] == "greedy"}
     for n in sorted(set(decode) | set(greedy)):
         theirs = decode.get(n, {}).get("speed_tg")
         mine = greedy.get(n, {}).get("decode_tok_s")
@@ -380,7 +387,7 @@ def sampling_rows(peer: dict[str, Any], ours: dict[str, Any]) -> list[dict[str, 
     no-sampler reference)."""
     decode = {r["pl"]: r.get("speed_tg") for r in peer.get("decode", [])}
     by_n: dict[int, dict[str, Any]] = {}
-    for r in ours.get("sampling", []):
+    for r in _sampled(ours):
         row = by_n.setdefault(r["streams"], {"streams": r["streams"],
                                              "llama_cpp_greedy": decode.get(r["streams"])})
         row[r["case"]] = r.get("decode_tok_s")

@@ -138,6 +138,9 @@ def test_ratio_table_pairs_workloads_and_inverts_times() -> None:
     sampled = gpu_peer.sampling_rows(peer, ours)
     assert sampled[0]["streams"] == 1 and sampled[0]["top_p vs llama.cpp"] == 0.99
     assert sampled[0]["temperature 0.7, top_p 0.9 vs greedy"] == 0.9
+    # a slotserve run without --sampling: its "sampling" is the run's sampler, no table
+    alone = gpu_peer.ratio_rows(peer, {"sampling": {"temperature": 0.0}, "long": ours["long"]})
+    assert [r["slotserve"] for r in alone[:2]] == [None, None]
     md = gpu_peer.markdown(list(rows.values()), sampled, peer, ours)
     assert ("| 8 x 16,384-token prompts + 128 new each, end to end (s) | 15.00 | 30.00 "
             "| 0.50 |") in md
