@@ -82,9 +82,10 @@ CASE_TOKENIZER = {"qwen2": "qwen2", "phi3": "smollm2-gpt2"}
 # a tie (0.24 -> 0.003 from token 40 on): 8 of 64 flip under MXFP4_MOE (RMS 0.8%)
 CASE_SEED = {"phi3": 1, "gpt_oss": 1}
 FORMATS = ("f16", "q8_0", "Q4_K_M")
-# qwen3_moe's rows are too short for K-quants; qwen2's 151,936-token vocabulary makes each of
-# its runs slow, and its Q4_K_M would test what llama's does (its biases stay F32)
-CASE_FORMATS = {"qwen3_moe": ("f16", "q8_0"), "qwen2": ("f16", "q8_0"),
+# qwen3_moe's rows are too short for K-quants (MXFP4_MOE: its experts in MXFP4); qwen2's
+# 151,936-token vocabulary makes each of its runs slow, and its Q4_K_M would test what
+# llama's does (its biases stay F32)
+CASE_FORMATS = {"qwen3_moe": ("f16", "q8_0", "MXFP4_MOE"), "qwen2": ("f16", "q8_0"),
                 "gpt_oss": ("f16", "MXFP4_MOE")}
 RUNS = [(c, f) for c in CASES for f in CASE_FORMATS.get(c, FORMATS)]
 GREEDY_EXACT = {"f16", "bf16", "q8_0"}

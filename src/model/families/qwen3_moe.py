@@ -16,6 +16,7 @@ import mlx.core as mx
 
 import slotserve.model.families.llama as llama
 import slotserve.model.families.qwen3 as qwen3
+from slotserve.kernels.quantized import Mxfp4Weight
 from slotserve.model import decoder, layers, moe
 from slotserve.model.config import ModelConfig
 from slotserve.model.errors import UnsupportedModelError
@@ -66,6 +67,9 @@ class Config(ModelConfig):
 
 def _concat_out(a: Tensor, b: Tensor) -> Tensor:
     """Stack two [E, out, in] expert tensors along `out` (gate then up)."""
+    if isinstance(a, Mxfp4Weight) and isinstance(b, Mxfp4Weight):  # GGUF MXFP4_MOE experts
+        return Mxfp4Weight(mx.concatenate([a.weight, b.weight], axis=1),  # type: ignore[return-value]
+                           mx.concatenate([a.scales, b.scales], axis=1))
     if isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight) and (
         (a.bits, a.group_size) == (b.bits, b.group_size)
     ):
