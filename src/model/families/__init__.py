@@ -7,6 +7,7 @@ from typing import Any
 
 from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.families import (
+    deepseek_v4,
     gemma3,
     gemma4,
     gpt_oss,
@@ -24,7 +25,7 @@ from slotserve.model.family import Family
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
                        gemma3.FAMILY, gemma4.FAMILY, qwen3_5.FAMILY, phi3.FAMILY, gpt_oss.FAMILY,
-                       qwen3_5_moe.FAMILY, qwen3_next.FAMILY)
+                       qwen3_5_moe.FAMILY, qwen3_next.FAMILY, deepseek_v4.FAMILY)
 }
 
 
