@@ -320,8 +320,13 @@ def dequantized_hf(hf_dir: Path, gguf_file: Path) -> Path:
         if cfg.model_type == "gpt_oss":
             tensors = _gpt_oss_tensors(gguf_file)
         else:
+            # the converter writes MistralForCausalLM as llama, and transformers' reader maps
+            # names by the model's type: a Llama of the same shape (the same tensor names)
+            names = model if cfg.model_type != "mistral" else transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(**{k: v for k, v in cfg.to_dict().items()
+                                            if k != "model_type"}))
             tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
-                                           model_to_load=model)["tensors"]
+                                           model_to_load=names)["tensors"]
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         tied = {"lm_head.weight"} if cfg.get_text_config().tie_word_embeddings else set()
         if set(missing) - tied or unexpected:

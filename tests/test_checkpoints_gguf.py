@@ -50,6 +50,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     "qwen3": ("qwen3", {}),
+    # MistralForCausalLM (its window 4096 past these positions): the converter writes it as
+    # llama, with no window key (llama.cpp's llama runs no window)
+    "mistral": ("mistral", {}),
     # q/k/v biases; the real Qwen2 vocabulary (CASE_TOKENIZER), as the converter needs it
     "qwen2": ("qwen2", {}),
     # llama.cpp's layout: 5 sliding layers then a global one (the converter writes no
@@ -86,7 +89,7 @@ FORMATS = ("f16", "q8_0", "Q4_K_M")
 # 151,936-token vocabulary makes each of its runs slow, and its Q4_K_M would test what
 # llama's does (its biases stay F32)
 CASE_FORMATS = {"qwen3_moe": ("f16", "q8_0", "MXFP4_MOE"), "qwen2": ("f16", "q8_0"),
-                "gpt_oss": ("f16", "MXFP4_MOE")}
+                "gpt_oss": ("f16", "MXFP4_MOE"), "mistral": ("f16",)}
 RUNS = [(c, f) for c in CASES for f in CASE_FORMATS.get(c, FORMATS)]
 GREEDY_EXACT = {"f16", "bf16", "q8_0"}
 RMS_TOL = {"f16": 1e-5, "bf16": 1e-5, "q8_0": 0.03, "Q4_K_M": 0.04, "MXFP4_MOE": 0.04}
