@@ -195,7 +195,7 @@ if want tests; then
   timeout "${TESTS_TIMEOUT:-600}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA \
     tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py \
     tests/test_device_sampling.py tests/test_gpu_families.py tests/test_gpu_gemma4.py \
-    tests/test_gpu_gguf.py tests/test_gpu_hybrid.py 2>&1 \
+    tests/test_gpu_gguf.py tests/test_gpu_hybrid.py tests/test_gpu_deepseek_v4.py 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 fi
 

@@ -71,6 +71,45 @@ def _gemma4_layers(n: int, every: int = 6) -> list[str]:
             for i in range(n)]
 
 
+def _deepseek_v4_rope(partial: float, yarn: dict[str, Any] | None) -> dict[str, Any]:
+    """V4's rope_parameters: "main" (sliding layers) and "compress" (compressed layers and
+    their compressors; YaRN in the released models, with no attention factor)."""
+    compress = {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": partial}
+    if yarn:
+        compress = {**compress, **yarn, "rope_type": "yarn", "attention_factor": 1.0}
+    return {"main": {"rope_type": "default", "rope_theta": 10000.0,
+                     "partial_rotary_factor": partial}, "compress": compress}
+
+
+def _deepseek_v4_layers(n: int) -> list[str]:
+    """transformers' default schedule: two HCA layers, then CSA and HCA in turn."""
+    return (["heavily_compressed_attention"] * min(n, 2)
+            + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+               for i in range(max(n - 2, 0))])
+
+
+def _deepseek_v4_mlp(n: int, hashed: int = 3) -> list[str]:
+    return ["hash_moe"] * min(n, hashed) + ["moe"] * max(n - hashed, 0)
+
+
+_DEEPSEEK_V4 = {
+    "model_type": "deepseek_v4", "hidden_size": 4096, "num_attention_heads": 64,
+    "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024, "o_groups": 8,
+    "o_lora_rank": 1024, "n_routed_experts": 256, "num_experts_per_tok": 6,
+    "n_shared_experts": 1, "moe_intermediate_size": 2048, "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "sliding_window": 128,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "vocab_size": 129280,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 1048576, "tie_word_embeddings": False,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_parameters": _deepseek_v4_rope(64 / 512, {"factor": 16.0, "beta_fast": 32,
+                                                     "beta_slow": 1,
+                                                     "original_max_position_embeddings": 65536}),
+    "hidden_act": "silu",
+}
+
+
 PRESETS: dict[str, Preset] = {
     "llama3-8b": Preset("LlamaForCausalLM", {
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
@@ -114,6 +153,14 @@ PRESETS: dict[str, Preset] = {
         "num_key_value_heads": 8, "num_global_key_value_heads": 2, "intermediate_size": 2112,
         "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
         "moe_intermediate_size": 704, "layer_types": _gemma4_layers(30),
+    }),
+    # DeepSeek-V4-Flash's dims (hidden 4096, 64 heads of 512, one shared K=V head, 256
+    # experts of 2048 + a shared one, 4 hyper-connection streams, CSA m=4 / HCA m=128) with
+    # 10 of its 43 layers: the full model is ~150 GB in 4-bit, more than one H200 holds
+    # (and more than its disk takes); 10 layers are ~37 GB
+    "deepseek-v4-flash-10l": Preset("DeepseekV4ForCausalLM", {
+        **_DEEPSEEK_V4, "num_hidden_layers": 10,
+        "layer_types": _deepseek_v4_layers(10), "mlp_layer_types": _deepseek_v4_mlp(10),
     }),
     # small shapes for tests (every input width a multiple of the 4-bit group)
     "tiny-llama": Preset("LlamaForCausalLM", {
@@ -162,6 +209,20 @@ PRESETS: dict[str, Preset] = {
         "moe_intermediate_size": 128, "vocab_size": 49216, "max_position_embeddings": 4096,
         "layer_types": _gemma4_layers(4, 2),
     }),
+    # DeepSeek-V4 in miniature: every layer kind (sliding, CSA, HCA at 16 so that short
+    # prompts close its windows), hash-routed and top-k MoE
+    "tiny-deepseek-v4": Preset("DeepseekV4ForCausalLM", {
+        **_DEEPSEEK_V4, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "head_dim": 128, "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 128,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "index_n_heads": 8, "index_head_dim": 64, "index_topk": 8, "sliding_window": 64,
+        "vocab_size": 49152, "max_position_embeddings": 4096,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "rope_parameters": _deepseek_v4_rope(0.5, None),
+        "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                        "heavily_compressed_attention", "compressed_sparse_attention"],
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+    }),
 }
 
 # Gated DeltaNet hybrids (slotserve.model.families.qwen3_5*): their own tensor layout
@@ -194,6 +255,9 @@ def tensor_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[in
         return
     if cfg["model_type"] == "gemma4_text":
         yield from _gemma4_shapes(cfg, fmt)
+        return
+    if cfg["model_type"] == "deepseek_v4":
+        yield from _deepseek_v4_shapes(cfg, fmt)
         return
     yield "model.embed_tokens.weight", (v, h)
     for i in range(cfg["num_hidden_layers"]):
@@ -338,8 +402,74 @@ def _gemma4_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[i
     yield "model.norm.weight", (h,)
 
 
-def _draw(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
-    """Norms are ones; matrices N(0, 1/in) so activations stay O(1) through the depth."""
+def _deepseek_v4_shapes(cfg: dict[str, Any], fmt: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V4 in transformers' module names (slotserve.model.families.deepseek_v4):
+    low-rank queries, one K=V head, grouped output, the compressors and indexer of CSA /
+    HCA layers, hyper-connection weights, stacked experts (`.weight` in mlx4, so they are
+    quantized) and the hash layers' token -> experts table."""
+    h, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    hd, heads, q = cfg["head_dim"], cfg["num_attention_heads"], cfg["q_lora_rank"]
+    g, r, hc = cfg["o_groups"], cfg["o_lora_rank"], cfg["hc_mult"]
+    e, k, inter = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    ih, idim, mix = cfg["index_n_heads"], cfg["index_head_dim"], (2 + hc) * hc
+    suffix = ".weight" if fmt == "mlx4" else ""
+    yield "model.embed_tokens.weight", (v, h)
+    for i in range(n):
+        p, kind = f"model.layers.{i}", cfg["layer_types"][i]
+        a = f"{p}.self_attn"
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        for name in ("attn_hc", "ffn_hc"):
+            yield f"{p}.{name}.fn", (mix, hc * h)
+            yield f"{p}.{name}.base", (mix,)
+            yield f"{p}.{name}.scale", (3,)
+        yield f"{a}.q_a_proj.weight", (q, h)
+        yield f"{a}.q_a_norm.weight", (q,)
+        yield f"{a}.q_b_proj.weight", (heads * hd, q)
+        yield f"{a}.kv_proj.weight", (hd, h)
+        yield f"{a}.kv_norm.weight", (hd,)
+        yield f"{a}.o_a_proj.weight", (g * r, heads * hd // g)
+        yield f"{a}.o_b_proj.weight", (h, g * r)
+        yield f"{a}.sinks", (heads,)
+        if kind != "sliding_attention":
+            m, csa = cfg["compress_rates"][kind], kind == "compressed_sparse_attention"
+            c, width = f"{a}.compressor", 2 * hd if kind == "compressed_sparse_attention" else hd
+            yield f"{c}.kv_proj.weight", (width, h)
+            yield f"{c}.gate_proj.weight", (width, h)
+            yield f"{c}.position_bias", (m, width)
+            yield f"{c}.kv_norm.weight", (hd,)
+            if csa:
+                x = f"{c}.indexer"
+                yield f"{x}.kv_proj.weight", (2 * idim, h)
+                yield f"{x}.gate_proj.weight", (2 * idim, h)
+                yield f"{x}.position_bias", (m, 2 * idim)
+                yield f"{x}.kv_norm.weight", (idim,)
+                yield f"{x}.q_b_proj.weight", (ih * idim, q)
+                yield f"{x}.scorer.weights_proj.weight", (ih, h)
+        mlp = f"{p}.mlp"
+        yield f"{mlp}.gate.weight", (e, h)
+        if cfg["mlp_layer_types"][i] == "hash_moe":
+            yield f"{mlp}.gate.tid2eid", (v, k)
+        else:
+            yield f"{mlp}.gate.e_score_correction_bias", (e,)
+        yield f"{mlp}.experts.gate_up_proj{suffix}", (e, 2 * inter, h)
+        yield f"{mlp}.experts.down_proj{suffix}", (e, h, inter)
+        yield f"{mlp}.shared_experts.gate_proj.weight", (inter, h)
+        yield f"{mlp}.shared_experts.up_proj.weight", (inter, h)
+        yield f"{mlp}.shared_experts.down_proj.weight", (h, inter)
+    yield "model.norm.weight", (h,)
+    yield "model.hc_head.hc_fn", (hc, hc * h)
+    yield "model.hc_head.hc_base", (hc,)
+    yield "model.hc_head.hc_scale", (1,)
+    if not cfg.get("tie_word_embeddings"):
+        yield "lm_head.weight", (v, h)
+
+
+def _draw(name: str, shape: tuple[int, ...], key: mx.array, experts: int = 0) -> mx.array:
+    """Norms are ones; matrices N(0, 1/in) so activations stay O(1) through the depth;
+    DeepSeek-V4's hash table (`tid2eid`, token -> experts) valid expert ids (`experts`)."""
+    if name.endswith(".tid2eid"):
+        return mx.random.randint(0, experts, shape, dtype=mx.int32, key=key)
     if len(shape) == 1:
         return mx.ones(shape, dtype=mx.bfloat16)
     std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
@@ -473,7 +603,8 @@ def synth(preset: str, outdir: str | Path, fmt: str = "mlx4", layers: int | None
         shard, shard_bytes = {}, 0
 
     for i, (name, shape) in enumerate(tensor_shapes(cfg, fmt)):
-        w = _draw(name, shape, mx.random.key(seed * 1_000_003 + i))
+        w = _draw(name, shape, mx.random.key(seed * 1_000_003 + i),
+                  int(cfg.get("n_routed_experts", 0)))
         n = 1
         for s in shape:
             n *= s

@@ -108,8 +108,9 @@ class Config(ModelConfig):
         main, comp = rope.get("main") or {}, rope.get("compress") or {}
         partial = float(main.get("partial_rotary_factor")
                         or cfg.get("partial_rotary_factor") or 64 / cfg["head_dim"])
-        layer_types = list(cfg.get("layer_types") or [])
-        mlp_types = list(cfg.get("mlp_layer_types") or [])
+        # as transformers' config does, longer schedules are cut to the layer count
+        layer_types = list(cfg.get("layer_types") or [])[:num_layers]
+        mlp_types = list(cfg.get("mlp_layer_types") or [])[:num_layers]
         if len(layer_types) != num_layers or len(mlp_types) != num_layers:
             raise UnsupportedModelError(
                 "deepseek_v4: config.json must list layer_types and mlp_layer_types for "
@@ -898,6 +899,7 @@ RENAMES = [
     (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 ]
+STACKED = (".experts.gate_up_proj.weight", ".experts.down_proj.weight")
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
@@ -924,10 +926,13 @@ def sanitize(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
     """Read the reference names (DeepSeek's release, and what transformers'
     save_pretrained writes back) as transformers' modules name them, with each layer's
     per-expert w1 / w3 / w2 stacked into gate_up_proj [E, 2 * inter, H] and down_proj
-    [E, H, inter]; drop the multi-token-prediction layers (`mtp.`, not run, as in
+    [E, H, inter] (4-bit stacks, named `.weight` to carry their scales, lose the suffix);
+    drop the multi-token-prediction layers (`mtp.`, not run, as in
     transformers)."""
     for name in [n for n in weights if n.startswith(("mtp.", "model.mtp."))]:
         del weights[name]
+    for name in [n for n in weights if n.endswith(STACKED)]:  # quantized stacks (mlx4)
+        weights[name.removesuffix(".weight")] = weights.pop(name)
     if not any(".attn." in n or "hc_attn_fn" in n for n in weights):
         return  # already transformers' names
     experts: dict[str, dict[str, dict[int, Tensor]]] = {}

@@ -1,0 +1,136 @@
+"""DeepSeek-V4 on the GPU (skipped where MLX has no GPU, e.g. CI): the tiny synthetic preset
+(MLX 4-bit; sliding, CSA and HCA layers, hash-routed and top-k MoE) served by the engine in
+bfloat16: batch and prefix-reuse invariance (pages of compressed entries, the per-slot
+state's snapshots), a forward whose rows do not depend on batch or chunking, and the tiny
+transformers checkpoint of the CPU oracle test run in bfloat16 against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_harness import PROMPTS, EngineHarness
+from engine_harness import alternating_options as options
+
+from slotserve.model.families import deepseek_v4
+from slotserve.model.layers import Batch
+from slotserve.model.loader import load
+from slotserve.tools.synth import synth
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not mx.is_available(mx.gpu), reason="needs MLX with a GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = Path(tmp_path_factory.mktemp("tiny-deepseek-v4"))
+    synth("tiny-deepseek-v4", path, "mlx4")
+    h = EngineHarness(path, device="gpu", max_slots=8, max_queue=32, prefill_budget=48)
+    yield h
+    h.close()
+
+
+def ids(h: EngineHarness, i: int) -> list[int]:
+    return h.engine.render_chat([{"role": "user", "content": PROMPTS[i]}])
+
+
+def test_runs_on_the_gpu(harness: EngineHarness) -> None:
+    loaded = harness.engine.loaded
+    assert loaded is not None and loaded.device == "gpu"
+    assert loaded.config.family == "deepseek_v4"
+    assert isinstance(harness.engine.slots[0].kv, deepseek_v4.CompressedKV)
+
+
+def test_batch_and_prefix_invariance(harness: EngineHarness) -> None:
+    engine = harness.engine
+    solo = []
+    for i in range(len(PROMPTS)):
+        engine.drop_retained()
+        solo.append(harness.call(lambda i=i: engine.complete(ids(harness, i), **options(i))))
+
+    async def together() -> dict[int, Any]:
+        out: dict[int, Any] = {}
+
+        async def one(i: int, delay: float) -> None:
+            await anyio.sleep(delay)
+            out[i] = await engine.complete(ids(harness, i), **options(i))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i, 0.02 * (i % 3))
+        return out
+
+    engine.drop_retained()
+    batched = harness.call(together)
+    differ = [i for i, c in batched.items() if c.token_ids != solo[i].token_ids]
+    assert not differ, f"prompts {differ} differ in a batch of {len(PROMPTS)}"
+    for i in (0, 1):  # greedy, seeded: a follow-up resumed from the last state equals cold
+        engine.drop_retained()
+        first = harness.call(lambda i=i: engine.complete(ids(harness, i), **options(i)))
+        convo = ids(harness, i) + first.token_ids + ids(harness, 5)
+        warm = harness.call(lambda c=convo, i=i: engine.complete(c, **options(i)))
+        engine.drop_retained()
+        cold = harness.call(lambda c=convo, i=i: engine.complete(c, **options(i)))
+        assert warm.usage.reused_tokens > 0 and cold.usage.reused_tokens == 0
+        assert warm.token_ids == cold.token_ids, i
+
+
+def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -> None:
+    """The plain forward alone: a prompt's last logits are the same prefilled whole or cut
+    (cuts inside CSA and HCA windows), and four sequences' rows in one step give each one's
+    bits alone; past the sliding window (64) and over a page (128)."""
+    model = harness.engine.loaded.model
+    prompt = [int(t) % 4000 + 10 for t in range(7, 7 + 150 * 13, 13)]
+
+    def logits(cuts: list[int]) -> mx.array:
+        kv, start, out = model.new_kv(), 0, None
+        for end in [*cuts, len(prompt)]:
+            out = model(mx.array(prompt[start:end]), Batch.build([(kv, start, end - start)]),
+                        [end - start - 1])
+            start = end
+        return out[0]
+
+    def run() -> tuple[list[bool], list[bool]]:  # on the MLX thread, which owns the arrays
+        whole = logits([])
+        split = [logits(c) for c in ([64], [33, 97, 130])]
+        kvs = [model.new_kv() for _ in range(4)]
+        for kv, n in zip(kvs[2:], (37, 130), strict=True):
+            model(mx.array(prompt[:n]), Batch.build([(kv, 0, n)]), [n - 1])
+        feeds = [(prompt[:64], 0), (prompt[:100], 0), ([9], 37), ([11], 130)]
+        alone = [model(mx.array(t), Batch.build([(kv, s, len(t))]), [len(t) - 1])[0]
+                 for kv, (t, s) in zip(kvs, feeds, strict=True)]
+        parts = [(kv, s, len(t)) for kv, (t, s) in zip(kvs, feeds, strict=True)]
+        together = model(mx.array([x for t, _ in feeds for x in t]), Batch.build(parts),
+                         [63, 163, 164, 165])
+        return ([bool(mx.array_equal(s, whole)) for s in split],
+                [bool(mx.array_equal(together[i], alone[i])) for i in range(4)])
+
+    chunked, batched = harness.call(lambda: harness.engine.mlx.run(run))
+    assert all(chunked), chunked
+    assert all(batched), batched
+
+
+def test_bf16_follows_transformers(tmp_path: Path) -> None:
+    """The CPU oracle's tiny checkpoint in bfloat16 on the GPU against transformers (float32
+    on the CPU): bf16 rounding only, so the logits stay within a few percent of their
+    scale and nearly every row picks the same token."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_deepseek_v4 import PROMPT, make_checkpoint
+
+    path, hf = make_checkpoint(tmp_path)
+    model = load(path, device="gpu", with_tokenizer=False).model
+    n = len(PROMPT)
+    ours = np.array(model(mx.array(PROMPT), Batch.build([(model.new_kv(), 0, n)]),
+                          list(range(n))))
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= 0.05 * scale, (np.abs(ours - ref).max(), scale)
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
