@@ -9,7 +9,7 @@ import pytest
 
 from slotserve.runtime.runner import ModelRunner, RowWork
 from slotserve.runtime.sampling import RowState, SamplingParams
-from slotserve.runtime.warmup import DECODE_ROWS, DECODE_STEPS, warm_up
+from slotserve.runtime.warmup import DECODE_ROWS, DECODE_STEPS, _run, warm_up
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,12 @@ def test_warm_up_leaves_nothing_behind(model: Any) -> None:
 def test_warm_up_respects_the_slot_count(model: Any) -> None:
     info = warm_up(ModelRunner(model), model, max_rows=2)
     assert info["steps"] == 2 + 2 * (1 + DECODE_STEPS)
+
+
+def test_a_warm_up_step_of_many_rows_stays_within_top_logprobs(model: Any) -> None:
+    """Row i asks for 2i top logprobs, capped at the API's 20: a GPU warms up its first
+    unstaged decode row count (33 rows on the H200 8B), past the cap, and died there."""
+    prompts = [[(3 * i + j) % 1000 for j in range(4 + i)] for i in range(12)]
+    assert _run(ModelRunner(model), model, prompts, decode=1) == 2
+    pool = model.kv_pool
+    assert pool.free_count == pool.ids

@@ -28,7 +28,7 @@ import structlog
 from slotserve.kernels.attention import BLOCK
 from slotserve.kernels.cuda.launch import attention_staged
 from slotserve.runtime.runner import ModelRunner, RowWork
-from slotserve.runtime.sampling import RowState, SamplingParams
+from slotserve.runtime.sampling import MAX_TOP_LOGPROBS, RowState, SamplingParams
 
 log = structlog.get_logger("slotserve.warmup")
 
@@ -78,7 +78,8 @@ def _run(runner: ModelRunner, model: Any, prompts: list[list[int]], decode: int)
         for step in range(1 + decode):
             work = [RowWork(i, kvs[i], start[i], feed[i], True, params[i], states[i],
                             states[i].num_generated, logprobs=step == 1,
-                            top_logprobs=2 * i if step == 1 else 0)
+                            top_logprobs=min(2 * i, MAX_TOP_LOGPROBS) if step == 1
+                            else 0)
                     for i in range(len(prompts))]
             out = runner.step(work)
             feed = []
