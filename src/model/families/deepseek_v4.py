@@ -261,10 +261,12 @@ class CompressorState(RecurrentState):
 
     def mark(self, layer: int, pos: int, state: Any) -> None:
         """Every state is canonical: keep the page boundaries' (snapshots) and the newest
-        other one alone (where the sequence's last step stopped: its tail state), so a
-        decoding sequence holds at most one state past its last page boundary."""
+        STATE_VERSIONS others alone (where the sequence's last steps stopped: its tail
+        state, also when a speculated step ran one past it), so a decoding sequence marks
+        no state beyond the versions it keeps anyway."""
         if self.keep_marks and pos % BLOCK:
-            for p in [p for p in self.marks if p % BLOCK and p < pos]:
+            others = sorted(p for p in self.marks if p % BLOCK and p < pos)
+            for p in others[: max(len(others) - STATE_VERSIONS + 1, 0)]:
                 del self.marks[p]
         super().mark(layer, pos, state)
 
