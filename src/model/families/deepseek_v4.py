@@ -74,6 +74,7 @@ SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
 HASH_MOE, MOE = "hash_moe", "moe"
 ENTRY_BLOCK = 128  # compressed entries per attention / indexer block (fixed shapes)
+INDEX_SCORES = 1 << 27  # indexer scores computed at once, at most (512 MiB of float32)
 
 
 @dataclass
@@ -621,10 +622,16 @@ class CompressedAttention(layers.Layer):
         """The Lightning Indexer: each row's `index_topk` entries by
         sum_h w_h relu(q_h . k) (future entries excluded), as blocks [L, nb, C, D] and
         their validity [L, nb, C]."""
-        kb = blocks_of(ikeys.astype(mx.float32), ENTRY_BLOCK)  # [nb, C, I]
-        s = mx.maximum(iq.astype(mx.float32)[:, None] @ kb.swapaxes(-1, -2)[None], 0.0)
-        s = s * self.index_dim ** -0.5  # [L, nb, Hi, C]
-        score = (s * iw[:, None, :, None]).sum(axis=2).reshape(iq.shape[0], -1)
+        kb = blocks_of(ikeys.astype(mx.float32), ENTRY_BLOCK).swapaxes(-1, -2)  # [nb, I, C]
+        q = iq.astype(mx.float32)[:, None]
+        # the [L, blocks, Hi, C] products a few blocks at a time (a long context's prefill
+        # chunk would need gigabytes at once); each block's bits are the same either way
+        step = max(1, INDEX_SCORES // (q.shape[0] * self.index_heads * ENTRY_BLOCK))
+        scores = []
+        for b in range(0, kb.shape[0], step):
+            s = mx.maximum(q @ kb[None, b : b + step], 0.0) * self.index_dim ** -0.5
+            scores.append((s * iw[:, None, :, None]).sum(axis=2).reshape(q.shape[0], -1))
+        score = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=1)
         e = mx.arange(score.shape[1])
         score = mx.where(e[None] < visible[:, None], score, -mx.inf)
         k = self.topk
