@@ -38,6 +38,10 @@
 #          Its parts are stages too: peer_gguf peer_llamacpp peer_slotserve peer_table (results
 #          kept under $PEER_DIR/results, so parts may run in different calls of one machine)
 #   moe    qwen3-30b-a3b, MLX 4-bit: synth + a shorter gpu_bench sweep
+#   dsv4_synth  deepseek-v4-flash-10l (DeepSeek-V4-Flash widths, 10 of 43 layers), MLX 4-bit,
+#          under $SYNTH_DIR (~37 GB; one device call of its own)
+#   dsv4_long  bench/deepseek_v4_long.py on it: 4 slots x 16k / 64k / 128k-token prompts under
+#          a quarter of their uncompressed KV size; TTFT, decode tok/s (not in the default list)
 # All stages take longer than one 10-minute device command on a fresh machine (kernel JIT):
 # run `env synth bench tests`, then at once (machine still warm) `micro bf16 peer_transformers`,
 # then `moe`. The llama.cpp peer: start its build in the parking call
@@ -52,6 +56,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/slotserve-gpu-out}
 SYNTH_DIR=${SYNTH_DIR:-/tmp/slotserve-synth}
+DSV4=$SYNTH_DIR/deepseek-v4-flash-10l-mlx4
 mkdir -p "$OUT" "$SYNTH_DIR"
 exec > >(tee -a "$OUT/gpu.log") 2>&1
 
@@ -339,6 +344,18 @@ if want moe; then
   timeout 240 $PY bench/gpu_bench.py --model "$MOE" --streams 1,8,32,64 \
     --prompt-tokens 128 --new-tokens 48 --ttft-tokens 1024 --prefill-budget 1024 \
     --out "$OUT/bench_qwen3-30b-a3b.json" | grep -v '^ \|^[{}]$'
+fi
+if want dsv4_synth; then
+  stage "synth deepseek-v4-flash-10l mlx4 (~37 GB)"
+  [ -f "$DSV4/config.json" ] || timeout 560 $PY -m slotserve.tools.synth deepseek-v4-flash-10l \
+    "$DSV4" --format mlx4
+  du -sh "$DSV4"
+fi
+if want dsv4_long; then
+  stage "deepseek_v4 long context: 4 slots x ${DSV4_LENGTHS:-16384,65536,131072} tokens"
+  timeout "${DSV4_TIMEOUT:-560}" $PY bench/deepseek_v4_long.py --model "$DSV4" \
+    --lengths "${DSV4_LENGTHS:-16384,65536,131072}" --out "$OUT/deepseek_v4_long.json" \
+    | tail -8
 fi
 # hand MLX's kernel cache back (under $OUT) for the next call to carry as .gpucache/, if
 # small enough to travel with the wheel (one call carries at most 64 MiB)
