@@ -224,11 +224,7 @@ def chunked(s: mx.array, q: mx.array, k: mx.array, v: mx.array, g: mx.array,
             beta: mx.array) -> tuple[mx.array, list[mx.array]]:
     """Whole sub-chunks of one sequence: s [H, dv, dk], q/k [T, H, dk], v [T, H, dv],
     g/beta [T, H] with T a multiple of CHUNK (float32). Returns (o [T, H, dv], the state after
-    each sub-chunk).
-
-    Every product runs on one sub-chunk's tensors [H, C, ...], never on all n sub-chunks
-    batched: a GPU matmul may pick another kernel for another batch count, and a sub-chunk's
-    bits must not depend on how many others its segment holds (prefill cut elsewhere)."""
+    each sub-chunk)."""
     t, h, dk = k.shape
     dv, n, c = v.shape[-1], t // CHUNK, CHUNK
 
@@ -238,24 +234,24 @@ def chunked(s: mx.array, q: mx.array, k: mx.array, v: mx.array, g: mx.array,
     q, k, v = split(q), split(k), split(v)
     g, beta = g.T.reshape(h, n, c), beta.T.reshape(h, n, c)
     lower, strict = _masks(c)
+    cum = mx.cumsum(g, axis=-1)
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = mx.where(lower, mx.exp(mx.where(lower, diff, 0.0)), 0.0)  # [H, n, C, C]
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    kt = k.swapaxes(-1, -2)
+    inv = _unit_lower_inverse(mx.where(strict, (kb @ kt) * decay, 0.0))
+    new_values = inv @ vb  # [H, n, C, dv]
+    k_cum = inv @ (kb * mx.exp(cum)[..., None])  # [H, n, C, dk]
+    attn = (q @ kt) * decay
+    q_dec = q * mx.exp(cum)[..., None]
+    k_dec = k * mx.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = mx.exp(cum[..., -1])  # [H, n]
     outs, states = [], []
     for i in range(n):
-        qi, ki, vi, bi = q[:, i], k[:, i], v[:, i], beta[:, i]  # [H, C, d], [H, C]
-        cum = mx.cumsum(g[:, i], axis=-1)  # [H, C]
-        diff = cum[..., :, None] - cum[..., None, :]
-        decay = mx.where(lower, mx.exp(mx.where(lower, diff, 0.0)), 0.0)  # [H, C, C]
-        kb, vb = ki * bi[..., None], vi * bi[..., None]
-        kt = ki.swapaxes(-1, -2)
-        inv = _unit_lower_inverse(mx.where(strict, (kb @ kt) * decay, 0.0))
-        new_values = inv @ vb  # [H, C, dv]
-        k_cum = inv @ (kb * mx.exp(cum)[..., None])  # [H, C, dk]
-        attn = (qi @ kt) * decay
-        q_dec = qi * mx.exp(cum)[..., None]
-        k_dec = ki * mx.exp(cum[..., -1:] - cum)[..., None]
         st = s.swapaxes(-1, -2)  # [H, dk, dv]
-        v_new = new_values - k_cum @ st
-        outs.append(q_dec @ st + attn @ v_new)
-        s = s * mx.exp(cum[..., -1])[:, None, None] + v_new.swapaxes(-1, -2) @ k_dec
+        v_new = new_values[:, i] - k_cum[:, i] @ st
+        outs.append(q_dec[:, i] @ st + attn[:, i] @ v_new)
+        s = s * chunk_decay[:, i, None, None] + v_new.swapaxes(-1, -2) @ k_dec[:, i]
         states.append(s)
     out = mx.stack(outs, axis=1).reshape(h, t, dv).transpose(1, 0, 2)
     return out, states
