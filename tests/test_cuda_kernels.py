@@ -290,3 +290,67 @@ def test_long_rows_are_split_and_keep_their_bits(group: int, head_dim: int,
             whole = cuda.paged_attention(q[one], kpool, vpool, tables[:, : launch.SPLIT_BLOCKS],
                                          mx.array([s], dtype=mx.int32), one, scale, window)
             assert mx.array_equal(whole[0], together[i]).item(), p
+
+
+@pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 64, None), (2, 128, 300)])
+def test_attention_sinks_match_reference_and_keep_split_bits(group: int, head_dim: int,
+                                                              window: int | None) -> None:
+    """gpt-oss's sinks (one more softmax logit per query head, weighting no value; the
+    kernel takes them in log2 units) in the whole and the split kernels: right against
+    reference_attention with the same sinks, different from no sinks, and a row that fits
+    one split gets the whole kernel's bits."""
+    from slotserve.kernels.attention import LOG2E
+
+    hkv, d = 2, head_dim
+    cap = (launch.SPLIT_BLOCKS + 2) * BLOCK  # two splits
+    keys, values, kpool, vpool, tables = _paged_kv(1, hkv, cap, d, 200, 210)
+    assert launch.attention_splits(tables.shape[1]) == 2
+    hq = hkv * group
+    sinks = mx.random.normal((hq,), key=mx.random.key(230)) * 2.0
+    q = mx.random.normal((cap, hq, d), key=mx.random.key(240)).astype(mx.bfloat16)
+    positions = [0, 5, 300, 1023, 1024, 1100, cap - 1]
+    rows = mx.array(positions, dtype=mx.int32)
+    slot = mx.zeros((len(positions),), mx.int32)
+    scale = d**-0.5
+    got = cuda.paged_attention(q[rows], kpool, vpool, tables, slot, rows, scale, window,
+                               sinks * LOG2E)
+    plain = cuda.paged_attention(q[rows], kpool, vpool, tables, slot, rows, scale, window)
+    assert not mx.array_equal(got, plain).item()
+    for i, p in enumerate(positions):
+        want = reference_attention(q[p : p + 1], keys[0], values[0], p, scale, window, sinks)
+        err = mx.abs(got[i].astype(mx.float32) - want[0]).max().item()
+        assert err < 3e-2, (p, err)
+        if p < launch.SPLIT_BLOCKS * BLOCK:  # fits one split: the whole kernel's bits
+            one = mx.array([p], dtype=mx.int32)
+            whole = cuda.paged_attention(q[one], kpool, vpool, tables[:, : launch.SPLIT_BLOCKS],
+                                         slot[:1], one, scale, window, sinks * LOG2E)
+            assert mx.array_equal(whole[0], got[i]).item(), p
+
+
+def test_rope_attention_with_sinks_gives_the_two_launches_bits() -> None:
+    """The decode step's one launch (rope_attention) with sinks gives the bits of
+    rope_write + paged_attention with the same sinks."""
+    from slotserve.kernels.attention import LOG2E
+
+    heads, kv_heads, d, cap = 8, 2, 64, 3 * BLOCK
+    _, _, kflat, vflat, tables = _paged_kv(3, kv_heads, cap, d, 260, 270)
+    rope = Rope(d, 10000.0, None, mx.bfloat16)
+    rope.reserve(cap)
+    positions, slots = [128, 200, cap - 1, 0], [0, 1, 2, -1]
+    writes = np.array([[int(tables[s, p // BLOCK, h]) * BLOCK + p % BLOCK
+                        for h in range(kv_heads)]
+                       for s, p in zip(slots[:3], positions[:3], strict=True)], dtype=np.int32)
+    qkv = mx.random.normal((4, (heads + 2 * kv_heads) * d), key=mx.random.key(280))
+    qkv = qkv.astype(mx.bfloat16)
+    sinks = mx.random.normal((heads,), key=mx.random.key(290)) * 2.0 * LOG2E
+    outs = []
+    for one_row_per_slot in (False, True):
+        kpool, vpool = mx.array(kflat), mx.array(vflat)
+        mx.eval(kpool, vpool)  # own copies: the kernels write them in place
+        out = cuda.rope_attention(qkv, rope.cos, rope.sin, mx.array(writes), kpool, vpool,
+                                  tables, mx.array(slots, dtype=mx.int32),
+                                  mx.array(positions, dtype=mx.int32), d**-0.5, heads,
+                                  kv_heads, d, one_row_per_slot=one_row_per_slot, sinks=sinks)
+        mx.eval(out)
+        outs.append(out)
+    assert mx.array_equal(outs[0], outs[1]).item()

@@ -6,8 +6,8 @@ LongRoPE factor tensors on 3/4 of each head, positions past the original context
 gpt-oss (sinks, biases, alternating windows, YaRN, MXFP4 experts kept as MLX mxfp4) of
 random weights in llama.cpp's names and keys, their projections Q4_0 and the embedding and
 output Q8_0 (gguf-py quantizes those types; the K-quants need llama-quantize), which
-slotserve holds as MLX 4- and 8-bit, group 32. gpt-oss runs on MLX ops on the GPU
-(SLOTSERVE_CUDA_KERNELS=0: no CUDA attention kernel has sinks). The
+slotserve holds as MLX 4- and 8-bit, group 32 (gpt-oss's sinks in slotserve's CUDA
+attention kernel). The
 criteria are tests/test_gpu_families.py's: the GPU run (bfloat16, MLX's quantized matmul:
 slotserve's CUDA 4-bit kernel takes group 64 only) agrees with the CPU run's top token at
 >= 95 % of 64 teacher-forced positions of the CPU's greedy continuation, and no logit
@@ -145,12 +145,9 @@ def default_device() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gguf_on_gpu_matches_cpu_run_of_the_same_file(arch: str, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_on_gpu_matches_cpu_run_of_the_same_file(arch: str, tmp_path: Path) -> None:
     path = write_gguf(arch, tmp_path / f"{arch}.gguf")
     seq, want = cpu_reference(path)
-    if arch == "gpt-oss":  # attention sinks: MLX ops on the GPU (no CUDA kernel has them)
-        monkeypatch.setenv("SLOTSERVE_CUDA_KERNELS", "0")
     model = load(path, device="gpu", with_tokenizer=False, probe_rows=None).model
     got = teacher_forced(model, seq)
     agreement = float((got.argmax(-1) == np.array(seq[PROMPT_LEN:])).mean())

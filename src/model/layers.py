@@ -40,6 +40,7 @@ import numpy as np
 from slotserve.kernels import cpu_attention, cpu_gemm, cpu_qgemm, cuda, native
 from slotserve.kernels.attention import (
     BLOCK,
+    LOG2E,
     AttentionPlan,
     causal_bias,
     decode_attention,
@@ -47,7 +48,6 @@ from slotserve.kernels.attention import (
     span_for,
 )
 from slotserve.kernels.cpu_attention import RopeTables, RowTables
-from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.kv import KVPool, SlotKV
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -746,10 +746,11 @@ class Attention(Layer):
     against its own slot's keys (causal; within `window` positions when given), and the
     output projection; `biases` are the (q, k, v, o) projection biases, each optional;
     `sinks` [heads] are attention-sink logits (gpt-oss: one more logit per head in the
-    softmax, weighting no value; CPU kernel and MLX ops)."""
+    softmax, weighting no value; every backend)."""
 
     sinks: mx.array | None = None  # [heads] float32, when the family has attention sinks
     _host_sinks: np.ndarray | None = None  # the same for the CPU kernel
+    _cuda_sinks: mx.array | None = None  # the same times log2 e, for the CUDA kernel
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dtype: mx.Dtype,
                  keep_quantized: bool, *, layer: int, heads: int, kv_heads: int,
@@ -769,13 +770,10 @@ class Attention(Layer):
         self._attend = {Backend.CUDA: self._cuda_kernels, Backend.CPU: self._cpu_kernel,
                         Backend.MLX: self._mlx_ops}[self.backend]
         if sinks is not None:
-            if self.backend is Backend.CUDA:
-                raise UnsupportedModelError(
-                    "attention sinks (gpt-oss) run on the CPU kernels and MLX ops, not on "
-                    "slotserve's CUDA attention kernel yet; set SLOTSERVE_CUDA_KERNELS=0")
             assert isinstance(sinks, mx.array) and sinks.shape == (heads,), "one sink a head"
             self.sinks = sinks.astype(mx.float32)
             self._host_sinks = np.array(self.sinks)
+            self._cuda_sinks = self.sinks * LOG2E  # the CUDA kernel's, in log2 units
 
     def __call__(self, x: mx.array, batch: Batch, residual: mx.array | None = None,
                  norm: Norm | None = None) -> mx.array:
@@ -819,7 +817,7 @@ class Attention(Layer):
         out = cuda.rope_attention(rows, self.rope.cos, self.rope.sin, batch.write_rows,
                                   pool.keys[self.layer], pool.values[self.layer], *batch.cuda,
                                   self.scale, self.heads, self.kv_heads, self.head_dim,
-                                  batch.one_row_per_slot, self.window)
+                                  batch.one_row_per_slot, self.window, sinks=self._cuda_sinks)
         batch.effects.append(out)
         return out
 
@@ -884,6 +882,7 @@ class SharedKVAttention(Attention):
     # what the base class's __init__ sets that this one leaves as it is (no attention sinks)
     sinks: mx.array | None = None
     _host_sinks: np.ndarray | None = None
+    _cuda_sinks: mx.array | None = None
 
     def __init__(self, q: Tensor, k: Tensor | None, v: Tensor | None, o: Tensor,
                  dtype: mx.Dtype, keep_quantized: bool, *, layer: int, heads: int,

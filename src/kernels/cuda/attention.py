@@ -30,20 +30,36 @@ def _attention_params(scale: float) -> mx.array:
     return mx.array([scale * 1.4426950408889634], dtype=mx.float32)
 
 
+@cache
+def _no_sinks() -> mx.array:
+    """The sinks input of a launch without sinks (SINKS false: never read)."""
+    return mx.zeros((1,), dtype=mx.float32)
+
+
+def _sinks(sinks: mx.array | None) -> tuple[mx.array, bool]:
+    """(the sinks input, SINKS): sinks [Hq] are attention-sink logits in log2 units
+    (gpt-oss; Attention scales them by log2 e once), one more softmax term per query head
+    that weights no value, as slotserve.kernels.attention.grouped_attention adds it."""
+    return (_no_sinks(), False) if sinks is None else (sinks.astype(mx.float32), True)
+
+
 def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.array,
                     row_table: mx.array, row_pos: mx.array, scale: float,
-                    window: int | None = None) -> mx.array:
+                    window: int | None = None, sinks: mx.array | None = None) -> mx.array:
     """q [R, Hq, D] or [R, Hq * D]; pools [blocks * 128, D]; tables [S, nb, Hkv] -> bf16
-    output in q's shape (the 2-D form, as rope_write gives q, adds no reshape to the graph)."""
+    output in q's shape (the 2-D form, as rope_write gives q, adds no reshape to the graph);
+    sinks: [Hq] attention-sink logits in log2 units (see _sinks)."""
     r, d = q.shape[0], kpool.shape[-1]
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
     splits = launch.attention_splits(tables.shape[1])
     staged = launch.attention_staged(r * splits, hkv)
+    sink_input, has_sinks = _sinks(sinks)
     inputs = [q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table,
-              row_pos, _attention_params(scale)]
+              row_pos, _attention_params(scale), sink_input]
     template = [("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
-                ("STAGED", staged), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS)]
+                ("STAGED", staged), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
+                ("SINKS", has_sinks)]
     shared = launch.attention_shared_bytes(d) if staged else 0
     if splits == 1:
         (out,) = kernel("paged_attention", shared)(
@@ -56,8 +72,9 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
         threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, hkv, splits, hq // hkv, d + 2)], output_dtypes=[mx.float32])
     (out,) = kernel("attention_combine")(
-        inputs=[part, row_table, row_pos],
-        template=[("G", hq // hkv), ("D", d), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS)],
+        inputs=[part, row_table, row_pos, sink_input],
+        template=[("G", hq // hkv), ("D", d), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
+                  ("SINKS", has_sinks)],
         grid=(r * hkv * ATTENTION_THREADS, 1, 1), threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, hq * d)], output_dtypes=[mx.bfloat16])
     return out.reshape(q.shape)
@@ -66,10 +83,11 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
 def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.array,
                    kpool: mx.array, vpool: mx.array, tables: mx.array, row_table: mx.array,
                    row_pos: mx.array, scale: float, heads: int, kv_heads: int, head_dim: int,
-                   one_row_per_slot: bool, window: int | None = None) -> mx.array:
+                   one_row_per_slot: bool, window: int | None = None,
+                   sinks: mx.array | None = None) -> mx.array:
     """paged_attention(rope_write(qkv, ...), ...): attention [R, heads * D] of fused QKV rows,
     their K/V written into the pool in place (see rope_write; row_pos are the rows'
-    positions).
+    positions); sinks as paged_attention's.
 
     One launch where each slot has one row (a decode step) and the attention launch is
     staged (launch.rope_in_attention): each block then owns its kv head's new K/V, so it
@@ -84,14 +102,16 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
             or launch.attention_splits(tables.shape[1]) > 1):
         q = rope_write(qkv, cos, sin, row_pos, write_rows, kpool, vpool, heads, kv_heads,
                        head_dim)
-        return paged_attention(q, kpool, vpool, tables, row_table, row_pos, scale, window)
+        return paged_attention(q, kpool, vpool, tables, row_table, row_pos, scale, window,
+                               sinks)
     assert write_rows.shape[0] <= r and write_rows.shape[1] == kv_heads, "pool rows per row"
+    sink_input, has_sinks = _sinks(sinks)
     (out,) = kernel("rope_attention", launch.attention_shared_bytes(head_dim))(
-        inputs=[qkv, kpool, vpool, tables, row_table, row_pos, _attention_params(scale), cos,
-                sin, write_rows],
+        inputs=[qkv, kpool, vpool, tables, row_table, row_pos, _attention_params(scale),
+                sink_input, cos, sin, write_rows],
         template=[("T", kpool.dtype), ("G", heads // kv_heads), ("D", head_dim),
                   ("WINDOW", window or 0), ("STAGED", True),
-                  ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS)],
+                  ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS), ("SINKS", has_sinks)],
         grid=(r * kv_heads * ATTENTION_THREADS, 1, 1),
         threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, heads * head_dim)],

@@ -6,8 +6,10 @@
 // max, running sum per split and query head), row_table / row_pos [R] -> out [R, HQ * D]
 // bf16. Thread d < D: the row's max over its splits, then the sums rescaled to it and added
 // split after split (a fixed order whatever the batch); one split is rescaled by
-// exp2(0) = 1 and gives the whole kernel's bits.
-// Template: G, D, SPLIT_BLOCKS.
+// exp2(0) = 1 and gives the whole kernel's bits. SINKS: the head's sink logit (sinks [HQ],
+// log2 units) joins the max and adds its term to the sum once, after the splits, as
+// attention_whole_out.cu does.
+// Template: G, D, SPLIT_BLOCKS, SINKS.
 
   const int HKV = part_shape[1], S = part_shape[2];
   const int HQ = HKV * G;
@@ -24,6 +26,8 @@
     for (int gg = 0; gg < G; ++gg) {
       float m = neg_inf();
       for (int s = 0; s < splits; ++s) m = fmaxf(m, src[((size_t)s * G + gg) * (D + 2) + D]);
+      const float sink = SINKS ? sinks[h * G + gg] : neg_inf();
+      if (SINKS) m = fmaxf(m, sink);
       float sum = -0.0f, acc = -0.0f;  // (x + -0 is x, signed zeros included)
       for (int s = 0; s < splits; ++s) {
         const float* p = src + ((size_t)s * G + gg) * (D + 2);
@@ -31,6 +35,7 @@
         sum = __fmaf_rn(p[D + 1], f, sum);
         acc = __fmaf_rn(p[tid], f, acc);
       }
+      if (SINKS) sum = sum + exp2f(sink - m);
       out[base + (size_t)gg * D + tid] = __float2bfloat16(acc / sum);
     }
   }

@@ -4,7 +4,9 @@
 //
 // One block (128 threads) per (row, kv head) takes the GQA group's G query heads; q
 // [R, Hq*D], pools [blocks*128, D], tables [S, nbmax, Hkv], row_table / row_pos [R] (a row
-// whose row_table is -1 is padding: zeros), params [scale * log2 e]. Online softmax over key
+// whose row_table is -1 is padding: zeros), params [scale * log2 e], sinks [HQ] (attention
+// sinks in log2 units, read where SINKS: attention_whole_out.cu, attention_combine.cu; else
+// one unread element). Online softmax over key
 // blocks of 128 at fixed absolute positions, so a position's output never depends on how
 // it was batched.
 //
@@ -27,7 +29,8 @@
 //   line @PATCH@  run on each staged key block: nothing, or rope_attention_patch.cu (patch
 //                 the staged copy of the new position from registers)
 // Template: T (pool dtype), G, D (head dim), WINDOW (sliding window, 0: none), STAGED (each
-// key block's K/V copied to shared memory first; rope_attention always is), SPLIT_BLOCKS.
+// key block's K/V copied to shared memory first; rope_attention always is), SPLIT_BLOCKS,
+// SINKS (gpt-oss's attention sinks).
 
   const int HKV = tables_shape[2];
   const int nbmax = tables_shape[1];

@@ -34,7 +34,7 @@ class KernelSource:
     fragments: tuple[tuple[str, str], ...] = ()
 
 
-_ATTENTION_INPUTS = ("kpool", "vpool", "tables", "row_table", "row_pos", "params")
+_ATTENTION_INPUTS = ("kpool", "vpool", "tables", "row_table", "row_pos", "params", "sinks")
 _WHOLE = (("@BLOCK@", "attention_whole_block.cu"), ("@PAD@", "attention_whole_pad.cu"),
           ("@OUT@", "attention_whole_out.cu"))
 _SPLIT = (("@BLOCK@", "attention_split_block.cu"), ("@PAD@", "attention_split_pad.cu"),
@@ -50,7 +50,7 @@ KERNELS: dict[str, KernelSource] = {
     "paged_attention_split": KernelSource(("q", *_ATTENTION_INPUTS), ("partials",),
                                           "paged_attention.cu", ("cp_async.cuh",),
                                           query="paged_attention_query.cu", fragments=_SPLIT),
-    "attention_combine": KernelSource(("part", "row_table", "row_pos"), ("out",),
+    "attention_combine": KernelSource(("part", "row_table", "row_pos", "sinks"), ("out",),
                                       "attention_combine.cu"),
     "rope_attention": KernelSource(("qkv", *_ATTENTION_INPUTS, "cos_t", "sin_t", "write_rows"),
                                    ("out",), "paged_attention.cu", ("cp_async.cuh",),
