@@ -37,3 +37,34 @@ def test_flash_preset_has_the_real_shape() -> None:
         params += n
     assert 66e9 < params < 68e9, params
     assert cfg["layer_types"].count("compressed_sparse_attention") == 4
+
+
+def test_flash_preset_rope_matches_transformers() -> None:
+    """The released models' RoPE: plain on sliding layers, YaRN (factor 16, no attention
+    factor) on the compressed ones; the inverse frequencies as transformers computes them."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    from slotserve.model.config import config_from_hf
+    from slotserve.model.families import family
+
+    raw = {k: v for k, v in preset_config("deepseek-v4-flash-10l").items()
+           if k not in ("architectures", "torch_dtype", "model_type")}
+    hf_cfg = transformers.DeepseekV4Config(**raw)
+    ours = config_from_hf({**json.loads(hf_cfg.to_json_string()),
+                           "architectures": ["DeepseekV4ForCausalLM"]},
+                          family("deepseek_v4"), "preset")
+    assert isinstance(ours, deepseek_v4.Config) and ours.rope_dim == 64
+    assert ours.compress_rope_scaling is not None
+    rotary = DeepseekV4RotaryEmbedding(hf_cfg)
+    for kind, theta, scaling in (("main", ours.rope_theta, None),
+                                 ("compress", ours.compress_rope_theta,
+                                  ours.compress_rope_scaling)):
+        rope = deepseek_v4.InterleavedRope(ours.rope_dim, theta, scaling)
+        want = getattr(rotary, f"{kind}_inv_freq").to(torch.float32).numpy()
+        assert abs(rope.factor - getattr(rotary, f"{kind}_attention_scaling")) < 1e-9
+        got = [float(x) for x in rope.inv_freq.tolist()]
+        assert max(abs(g - w) / w for g, w in zip(got, want.tolist(), strict=True)) < 1e-6
