@@ -3,7 +3,8 @@ rows of other slots), determinism, isolation from a cancelled peer, the per-slot
 budget floor beside pages that hold compressed entries only, and prefix reuse through the
 one prefix cache with state snapshots: a continuation resumed from a page-boundary
 snapshot, and a follow-up turn resumed from the previous turn's last state (past its
-generated tokens), each give the tokens of the same prompt prefilled cold.
+generated tokens), each give the tokens of the same prompt prefilled cold; a preempted
+request resumes with the tokens it gives alone.
 
 prefill_budget 24 cuts the prompts into many chunks at positions that are no multiple of
 either compress rate (4 and 16), so windows close across chunk boundaries.
@@ -157,3 +158,48 @@ def test_a_follow_up_resumes_past_the_generated_tokens(harness: EngineHarness) -
                                                 ignore_eos=True))
     assert cold.usage.reused_tokens == 0
     assert warm.token_ids == cold.token_ids
+
+
+def test_a_preempted_request_resumes_with_its_own_tokens(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Three requests that each cross into a second page on a budget that holds only one
+    more page: the youngest steps back, resumes from its cached prefix (every state is
+    canonical: its decoded positions recompute to the same bits) and finishes with exactly
+    the tokens it produces alone."""
+    path = make_tiny_deepseek_v4(Path(tmp_path_factory.mktemp("deepseek_v4_preempt")))
+    h = EngineHarness(path, max_slots=3, max_queue=8, prefill_budget=24, kv_reserve_tokens=0)
+    try:
+        engine = h.engine
+        adm = engine.admission
+        words = LONG.split()
+        prompts = []
+        for i in range(3):  # just under a page each, different from the first token on
+            ids = _ids(engine, f"{i} " + " ".join(words[i * 5:]))
+            prompts.append(ids[: BLOCK - 12 - i])
+        opts = [{**options(i), "max_tokens": 24} for i in range(3)]
+        alone = []
+        for p, o in zip(prompts, opts, strict=True):
+            engine.drop_retained()
+            alone.append(h.call(lambda p=p, o=o: engine.complete(p, **o)))
+        engine.drop_retained()
+        adm.budget_pages = 3 * adm.floor_pages + 4
+
+        async def together() -> list[Any]:
+            out: list[Any] = [None] * len(prompts)
+
+            async def one(i: int) -> None:
+                out[i] = await engine.complete(prompts[i], **opts[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+                    await anyio.sleep(0.01)  # arrival order: 0 oldest
+            return out
+
+        both = h.call(together)
+        assert sum(adm.preemptions.values()) > 0
+        for i, (a, b) in enumerate(zip(alone, both, strict=True)):
+            assert b.finish_reason == "length", (i, b.error)
+            assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+    finally:
+        h.close()
