@@ -6,7 +6,7 @@ snapshot, and a follow-up turn resumed from the previous turn's last state (past
 generated tokens), each give the tokens of the same prompt prefilled cold; a preempted
 request resumes with the tokens it gives alone.
 
-prefill_budget 24 cuts the prompts into many chunks at positions that are no multiple of
+prefill_budget 22 cuts the prompts into many chunks at positions that are no multiple of
 either compress rate (4 and 16), so windows close across chunk boundaries.
 """
 
@@ -47,7 +47,7 @@ def make_tiny_deepseek_v4(path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = make_tiny_deepseek_v4(Path(tmp_path_factory.mktemp("deepseek_v4_engine")))
-    h = EngineHarness(path, max_slots=4, max_queue=16, prefill_budget=24)
+    h = EngineHarness(path, max_slots=4, max_queue=16, prefill_budget=22)
     yield h
     h.close()
 
@@ -167,7 +167,7 @@ def test_a_preempted_request_resumes_with_its_own_tokens(
     canonical: its decoded positions recompute to the same bits) and finishes with exactly
     the tokens it produces alone."""
     path = make_tiny_deepseek_v4(Path(tmp_path_factory.mktemp("deepseek_v4_preempt")))
-    h = EngineHarness(path, max_slots=3, max_queue=8, prefill_budget=24, kv_reserve_tokens=0)
+    h = EngineHarness(path, max_slots=3, max_queue=8, prefill_budget=22, kv_reserve_tokens=0)
     try:
         engine = h.engine
         adm = engine.admission
