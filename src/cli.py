@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "state every this many KV pages (128 tokens) of a prompt, so a "
                         "follow-up turn resumes from the deepest one (default 2); each costs "
                         "the state's bytes in the KV budget")
+    s.add_argument("--no-settle-passes", action="store_true",
+                   help="Gated DeltaNet models: do not prefill a finished turn's generated "
+                        "tokens again when idle (then a follow-up turn prefills them itself)")
     s.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens of a request that leaves it out (default: up to the "
                         "context length, with nothing reserved for it up front)")

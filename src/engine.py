@@ -82,6 +82,9 @@ class EngineConfig:
     # pages between the recurrent-state snapshots the prefix cache keeps for a model with
     # Gated DeltaNet layers (qwen3_5*): how far back a follow-up turn resumes, at most
     state_snapshot_pages: int = state_snapshots.DEFAULT_INTERVAL
+    # for those models: prefill a finished turn's generated tokens again off the critical
+    # path (actors.settle), so the next turn resumes past them
+    settle_passes: bool = True
     default_max_tokens: int | None = None  # None: up to the context length
     shutdown_deadline: float = 30.0
     # pipeline the decode steps: queue the next step on the lazy tokens of this one
@@ -237,6 +240,7 @@ class Engine:
             reserve_tokens=DEFAULT_RESERVE_TOKENS if cfg.kv_reserve_tokens is None
             else cfg.kv_reserve_tokens,
             state_interval=cfg.state_snapshot_pages,
+            settle_align=getattr(lm.model, "prefill_align", 0) if cfg.settle_passes else 0,
         )
         for slot in self.slots:
             slot.placement = self.admission
@@ -345,6 +349,10 @@ class Engine:
             sess = self.sessions.get(w.request.request_id)
             if sess is not None:
                 sess.fail("error", "server shutting down")
+        adm.settles = None  # no more settle passes; the running ones stop now
+        for s in self.slots:
+            if s.request is not None and s.request.background:
+                s.tell(Cancel(s.epoch, "cancelled"))
         limit = self.config.shutdown_deadline if deadline is None else deadline
         if self.failure is not None:  # nothing is stepping: waiting would only delay the exit
             limit = 0.0

@@ -24,9 +24,14 @@ from slotserve.model import deltanet
 from slotserve.tools.synth import write_smollm2_tokenizer
 
 PROMPTS = ALL_PROMPTS[:5]
-# ~360 tokens: a history long enough for a snapshot at 256
-LONG = " ".join(f"Line {i}: the river runs past stone {i * 7 % 13} and tree {i % 5}."
-                for i in range(26))
+
+
+def _lines(n: int) -> str:
+    return " ".join(f"Line {i}: the river runs past stone {i * 7 % 13} and tree {i % 5}."
+                    for i in range(n))
+
+
+LONG = _lines(26)  # ~360 tokens: a history long enough for a snapshot at 256
 
 
 def make_tiny_qwen3_5(path: Path, seed: int = 0) -> Path:
@@ -143,3 +148,90 @@ def test_continuation_from_a_snapshot_equals_cold(harness: EngineHarness) -> Non
                                                 ignore_eos=True))
     assert cold.usage.reused_tokens == 0
     assert warm.token_ids == cold.token_ids
+
+
+def _settled(engine: Any) -> bool:
+    """No request runs and no settle pass waits (slotserve.actors.settle)."""
+    adm = engine.admission
+    return not any(s.busy for s in engine.slots) and not adm.settles
+
+
+def test_a_follow_up_resumes_past_the_previous_turns_generated_tokens(
+        harness: EngineHarness) -> None:
+    """A finished turn's generated tokens get a settle pass (prefilled again, off the
+    critical path): the follow-up resumes past them, at the ledger's last whole sub-chunk,
+    and gives the tokens of the same prompt prefilled cold; a repeat of the first prompt
+    still resumes where its own prefill stopped."""
+    engine = harness.engine
+    adm = engine.admission
+    engine.drop_retained()
+    prompt = _ids(engine, LONG)
+    n = len(prompt)
+    done = adm.settles.done
+    turn1 = harness.call(lambda: engine.complete(prompt, max_tokens=80, temperature=0.0,
+                                                 ignore_eos=True))
+    assert wait_until(lambda: _settled(engine), 120)
+    assert adm.settles.done == done + 1
+    settled = (n + 79) // deltanet.CHUNK * deltanet.CHUNK  # the ledger: prompt + 79 fed
+    assert settled >= n // deltanet.CHUNK * deltanet.CHUNK + 2 * deltanet.CHUNK
+    again = harness.call(lambda: engine.complete(prompt, max_tokens=2, temperature=0.0))
+    assert again.usage.reused_tokens == n // deltanet.CHUNK * deltanet.CHUNK
+    follow = prompt + turn1.token_ids + _ids(engine, "And the stones?")
+    warm = harness.call(lambda: engine.complete(follow, max_tokens=16, temperature=0.0,
+                                                ignore_eos=True))
+    assert warm.usage.reused_tokens == settled
+    assert wait_until(lambda: _settled(engine), 120)
+    engine.drop_retained()
+    cold = harness.call(lambda: engine.complete(follow, max_tokens=16, temperature=0.0,
+                                                ignore_eos=True))
+    assert cold.usage.reused_tokens == 0
+    assert warm.token_ids == cold.token_ids
+
+
+def test_a_preempted_request_resumes_with_its_own_tokens(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two requests that cross into a second page on a budget that holds only one more
+    page: the younger (longer prompt) crosses first and takes it, the older one then needs
+    one, so the younger steps back, resumes (its decoded positions recomputed in the
+    recurrent form, as its decode steps ran them) and finishes with exactly the tokens it
+    produces alone."""
+    path = make_tiny_qwen3_5(Path(tmp_path_factory.mktemp("qwen3_5_preempt")))
+    h = EngineHarness(path, max_slots=2, max_queue=8, prefill_budget=24, kv_reserve_tokens=0)
+    try:
+        engine = h.engine
+        adm = engine.admission
+        prompts = [_ids(engine, _lines(4)), _ids(engine, _lines(5))]
+        assert BLOCK - 48 < len(prompts[0]) < len(prompts[1]) - 10 < BLOCK - 20
+        # (logprobs: the logits' bits, which a token can hide, must match too)
+        opts = [{**options(1), "max_tokens": BLOCK + 12 - len(prompts[0]),  # seeded
+                 "logprobs": True},
+                {**options(0), "max_tokens": BLOCK + 40 - len(prompts[1]),  # greedy
+                 "logprobs": True}]
+        alone = []
+        for p, o in zip(prompts, opts, strict=True):
+            engine.drop_retained()
+            alone.append(h.call(lambda p=p, o=o: engine.complete(p, **o)))
+        assert wait_until(lambda: _settled(engine), 120)
+        engine.drop_retained()
+        adm.budget_pages = 2 * adm.floor_pages + 3
+
+        async def together() -> list[Any]:
+            out: list[Any] = [None] * len(prompts)
+
+            async def one(i: int) -> None:
+                out[i] = await engine.complete(prompts[i], **opts[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+                    await anyio.sleep(0.01)  # arrival order: 0 oldest
+            return out
+
+        both = h.call(together)
+        assert sum(adm.preemptions.values()) > 0
+        for i, (a, b) in enumerate(zip(alone, both, strict=True)):
+            assert b.finish_reason == "length", (i, b.error)
+            assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+            assert [lp.logprob for lp in b.logprobs] == [lp.logprob for lp in a.logprobs]
+    finally:
+        h.close()

@@ -47,6 +47,9 @@ def _serve(model: Any, cache: KVCache, tokens: list[int], ns: Any, chunk: int = 
     kv = model.new_kv()
     match = cache.lookup(tokens, ns)
     chain = cache.take(match, kv, ns)
+    if match.copy is not None:  # a tail's positions before its state, into a page of its own
+        kv.add_pages(cache.allocate(1, 1 << 20))
+        cache.copy_into(match, kv)
     start, logits = match.tokens, None
     while start < len(tokens):
         end = min(len(tokens), start + chunk)
@@ -73,7 +76,9 @@ def test_snapshots_every_interval_and_a_resume_equals_cold(model: Any) -> None:
     assert cache.held == pages - len(cache.idle)
     match, warm = _serve(model, cache, TOKENS, NS)
     assert match.tokens == 576 and match.state is not None and snaps.taken == 1
-    assert match.tail is not None and match.tail not in snaps.tails  # taken over
+    # its positions before 576 copied out of the tail page, which stays for the next turn
+    assert match.copy is not None and match.copy[1] == 576 - 4 * BLOCK
+    assert match.copy[0] in snaps.tails and match.copy[0] in cache.idle
     _, cold = _serve(model, _cache(model), TOKENS, NS)
     assert mx.array_equal(warm, cold)
 
@@ -112,3 +117,44 @@ def test_evicting_a_page_drops_its_snapshot_and_snapshots_go_for_room(model: Any
     # a budget with room for the request's pages alone: idle pages and snapshots give way
     cache.allocate(3, budget=3)
     assert not snaps.states and not cache.idle
+
+
+def _decode(model: Any, cache: KVCache, prompt: list[int], more: list[int], ns: Any) -> None:
+    """`prompt` prefilled (chunks of 96), then `more` fed one position per step as decode
+    rows are, publishing as the engine does, and finished."""
+    kv = model.new_kv()
+    chain = cache.take(cache.lookup(prompt, ns), kv, ns)
+    assert chain.keys == [] and kv.recurrent.resumed_at == 0  # (a cold cache)
+    tokens, start = prompt + more, 0
+    while start < len(tokens):
+        end = min(len(prompt), start + 96) if start < len(prompt) else start + 1
+        model(mx.array(tokens[start:end]), Batch.build([(kv, start, end - start)]),
+              [end - start - 1])
+        start = end
+        cache.publish(kv, tokens[:start], chain)
+    cache.finish(kv, tokens, chain)
+
+
+def test_decoded_pages_are_never_published_and_a_settled_ledger_resumes_past_them(
+        model: Any) -> None:
+    """Decoded positions' K/V (and state) are not a cold prefill's: the page the decode
+    filled stays private and the follow-up resumes where the prompt's prefill stopped. A
+    settle pass (the finished ledger prefilled again up to its last whole sub-chunk, from
+    that state) publishes it, leaves its state at 384 (a page end off the interval) and a
+    follow-up resumes there, with the logits of a cold prefill."""
+    cache = _cache(model)
+    snaps = cache.snapshots
+    assert snaps is not None
+    _decode(model, cache, TOKENS[:300], TOKENS[300:400], NS)  # 300..399 decoded
+    assert len(cache.pages) == 2 and len(snaps.states) == 1  # pages 0-1, 256's state
+    assert [pos for pos, _ in snaps.tails.values()] == [288]  # in page 2, unpublished
+    follow = TOKENS[:420]
+    assert cache.lookup(follow, NS).tokens == 288
+    match, _ = _serve(model, cache, TOKENS[:384], NS)  # the settle pass
+    assert match.tokens == 288 and match.copy is not None
+    assert len(cache.pages) == 3 and len(snaps.states) == 2  # page 2 and 384's state
+    assert [pos for pos, _ in snaps.tails.values()] == [288]  # kept (a repeat's resume)
+    match, warm = _serve(model, cache, follow, NS)
+    assert match.tokens == 384 and match.state is not None and match.copy is None
+    _, cold = _serve(model, _cache(model), follow, NS)
+    assert mx.array_equal(warm, cold)

@@ -40,12 +40,15 @@ from dataclasses import dataclass
 from slotserve.actors import state_snapshots
 from slotserve.actors.kv_cache import Chain, KVCache
 from slotserve.actors.messages import (
+    Assign,
     CacheNamespace,
+    Cancel,
     GenerationRequest,
     PagesReady,
     Preempt,
     Progress,
 )
+from slotserve.actors.settle import SINK, Settles
 from slotserve.actors.slot import Growth, Slot
 from slotserve.kernels.attention import BLOCK
 
@@ -73,6 +76,16 @@ def namespace_for(scope: str, tenant: str | None = None,
 
 def pages_for(tokens: int) -> int:
     return -(-tokens // BLOCK)
+
+
+def _settle_place(request: GenerationRequest) -> Place:
+    """How a settle pass is placed: its tokens go to a sink (slotserve.actors.settle)."""
+
+    def place(slot: Slot, reused: int, progress: Progress | None) -> None:
+        slot.reserve()
+        slot.tell(Assign(request, SINK, reused, progress))
+
+    return place
 
 
 def _arrival(slot: Slot) -> float:
@@ -121,9 +134,11 @@ class Waiting:
 class Admission:
     def __init__(self, slots: list[Slot], cache: KVCache, *, max_queue: int, kv_budget: int,
                  context_length: int, reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
-                 state_interval: int = state_snapshots.DEFAULT_INTERVAL) -> None:
+                 state_interval: int = state_snapshots.DEFAULT_INTERVAL,
+                 settle_align: int = 0) -> None:
         """state_interval: pages between the recurrent-state snapshots the cache keeps, for
-        models whose sequences carry a state (Gated DeltaNet layers)."""
+        models whose sequences carry a state (Gated DeltaNet layers); settle_align: their
+        prefill alignment, > 0 to run settle passes (slotserve.actors.settle)."""
         self.slots = slots
         self.cache = cache
         self.max_queue = max_queue
@@ -140,6 +155,9 @@ class Admission:
             cache.snapshots = state_snapshots.StateSnapshots(
                 slots[0].kv.recurrent.shape.nbytes,  # type: ignore[attr-defined]
                 self.page_bytes, state_interval)
+        self.settles = Settles(settle_align) if self.floor_pages and settle_align else None
+        self._yielding: set[tuple[int, int]] = set()  # (slot, epoch) of settles told to stop
+        self._discard: set[int] = set()  # slots whose settle pass must leave nothing
         self.queue: deque[Waiting] = deque()
         self.promised: dict[int, int] = {}  # slot id -> pages promised, not yet taken
         self.places: dict[int, Place] = {}  # slot id -> how its request was placed
@@ -221,6 +239,31 @@ class Admission:
             if not self._try_place(self.queue[0]):
                 return
             self.queue.popleft()
+        self._place_settles()
+
+    def _place_settles(self) -> None:
+        """Settle passes into the free slots (only when nothing is queued); one whose
+        resume point the cache no longer holds is dropped (it would prefill it all)."""
+        settles = self.settles
+        while settles and not self.queue and not self.growth_waiters:
+            request, start = settles.queue[0]
+            if self.cache.lookup(request.prompt_ids, request.cache_namespace).tokens < start:
+                settles.queue.popleft()
+                continue
+            if not self._try_place(Waiting(request, _settle_place(request))):
+                return
+            settles.queue.popleft()
+            settles.done += 1
+
+    def _yield_settle(self) -> None:
+        """A request waits for a slot: one running settle pass gives its slot back (what it
+        settled so far stays in the cache)."""
+        for s in self.slots:
+            req = s.request
+            if req is not None and req.background and (s.id, s.epoch) not in self._yielding:
+                self._yielding.add((s.id, s.epoch))
+                s.tell(Cancel(s.epoch, "cancelled"))
+                return
 
     def _preempt_for_waiters(self) -> None:
         """Tell the youngest running request to step back, for the oldest waiting one. When
@@ -229,8 +272,9 @@ class Admission:
         if self.preempting is not None or not self.growth_waiters:
             return
         oldest = min(self.growth_waiters, key=_arrival)
-        victim = max((s for s in self.slots if s.busy and s.request is not None),
-                     key=_arrival)
+        busy = [s for s in self.slots if s.busy and s.request is not None]
+        victim = next((s for s in busy if s.request.background),  # type: ignore[union-attr]
+                      max(busy, key=_arrival))
         if victim is oldest:
             return
         self.preempting = victim.id
@@ -239,6 +283,8 @@ class Admission:
     def _try_place(self, w: Waiting) -> bool:
         slot = next((s for s in self.slots if not s.busy and not s.in_flight), None)
         if slot is None:
+            if not w.request.background:
+                self._yield_settle()
             return False
         req, tokens = w.request, w.tokens
         match = self.cache.lookup(tokens, req.cache_namespace)
@@ -250,6 +296,10 @@ class Admission:
                 + self.floor_pages > self.budget_pages:
             return False
         slot.chain = self.cache.take(match, slot.kv, req.cache_namespace)
+        if w.progress is not None and self.cache.snapshots is not None:
+            # a preempted request computes its decoded positions as its decode steps did
+            self.cache.snapshots.resume_exact(
+                slot.kv, len(tokens) - w.progress.generated)  # type: ignore[arg-type]
         pages_room = self.budget_pages - self._floors() - self.floor_pages
         slot.kv.add_pages(self.cache.allocate(new, pages_room))
         self.cache.copy_into(match, slot.kv)
@@ -273,6 +323,8 @@ class Admission:
             return Growth.OK
         if len(slot.kv.pages) + need + self.floor_pages > self.budget_pages:
             return Growth.FULL  # its own context outgrows the whole budget
+        if slot.request is not None and slot.request.background:
+            return Growth.FULL  # a settle pass never waits, nor preempts, for a page
         if slot not in self.growth_waiters:
             self.growth_waiters.append(slot)
         self._preempt_for_waiters()
@@ -282,9 +334,19 @@ class Admission:
         """The slot's ledger grew: publish its new full pages."""
         self.cache.publish(slot.kv, slot.ledger, slot.chain)
 
-    def release(self, slot: Slot, ledger: list[int], chain: Chain) -> None:
-        """A slot finished: its pages go back to the cache; admit what now fits."""
+    def release(self, slot: Slot, ledger: list[int], chain: Chain,
+                settle: bool = False) -> None:
+        """A slot finished: its pages go back to the cache; admit what now fits. `settle`:
+        it finished as asked, so its generated tokens may get a settle pass."""
+        if settle and self.settles is not None:
+            self.settles.plan(ledger, state_snapshots.StateSnapshots.canonical_end(
+                slot.kv), chain.namespace)  # type: ignore[arg-type]
+        self._yielding = {y for y in self._yielding if y[0] != slot.id}
+        discard = list(slot.kv.pages) if slot.id in self._discard else None
+        self._discard.discard(slot.id)
         self._let_go(slot, ledger, chain)
+        if discard is not None:  # a settle pass that ran past drop_idle: as if dropped then
+            self.cache.evict_idle(discard)
         self.places.pop(slot.id, None)
         self._finished_at.append(time.monotonic())
         self.pump()
@@ -292,9 +354,13 @@ class Admission:
     def suspend(self, slot: Slot, request: GenerationRequest, progress: Progress,
                 ledger: list[int], chain: Chain) -> None:
         """A preempted slot stepped back: requeue its request at the front (by arrival)."""
-        self.preemptions["budget"] += 1
         self._let_go(slot, ledger, chain)
-        waiting = Waiting(request, self.places.pop(slot.id), progress)
+        place = self.places.pop(slot.id)
+        if request.background:  # a settle pass is not resumed: what it settled stays
+            self.pump()
+            return
+        self.preemptions["budget"] += 1
+        waiting = Waiting(request, place, progress)
         # (it is placed again by pump once no running request waits for a page)
         pos = next((i for i, w in enumerate(self.queue)
                     if w.progress is None or w.request.arrived > request.arrived),
@@ -311,7 +377,13 @@ class Admission:
             self.preempting = None
 
     def drop_idle(self) -> int:
-        """Evict every idle page (forces cold prefills); returns the bytes freed."""
+        """Evict every idle page (forces cold prefills; queued settle passes go too);
+        returns the bytes freed."""
+        if self.settles is not None:
+            self.settles.clear()
+            # (no message from here: tests and tools call this from outside the loop)
+            self._discard.update(s.id for s in self.slots
+                                 if s.request is not None and s.request.background)
         return self.cache.drop_idle() * self.page_bytes
 
     def retry_after(self) -> int:

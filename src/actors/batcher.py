@@ -96,7 +96,9 @@ class Batcher(Actor[BatcherMessage]):
         rows are computed the same way in any batch (the batch-invariance rules).
         """
         decode = [o for o in self.offers.values() if not o.prefilling]
-        prefill = [o for o in self.offers.values() if o.prefilling]
+        prefill = [o for o in self.offers.values() if o.prefilling and not o.background]
+        background = sorted((o for o in self.offers.values() if o.prefilling and o.background),
+                            key=lambda o: o.arrived_at)
         self.offers = {}
         planned = [(o.slot, o.work) for o in decode]
         budget = max(self.prefill_budget - len(planned), 1)
@@ -104,7 +106,20 @@ class Batcher(Actor[BatcherMessage]):
             if take <= 0:
                 self.offers[offer.slot_id] = offer  # next tick
             else:
-                planned.append((offer.slot, _feed(offer.work, self._aligned(offer.work, take))))
+                take = self._aligned(offer.work, take)
+                budget -= take
+                planned.append((offer.slot, _feed(offer.work, take)))
+        for offer in background:  # settle passes: what the prompts left of the budget
+            w = offer.work
+            take = max(min(len(w.tokens), budget), 0)
+            whole = take == len(w.tokens) or (w.start + take) // self.align * self.align \
+                > w.start  # (an aligned chunk fits in it)
+            if planned and not whole:
+                self.offers[offer.slot_id] = offer  # next tick
+                continue
+            take = self._aligned(w, max(take, 1))  # (alone in the step: at least one chunk)
+            budget -= take
+            planned.append((offer.slot, _feed(offer.work, take)))
         return planned
 
     @staticmethod

@@ -24,7 +24,8 @@ before any step that could read them), so nothing it shares is recomputed.
 Pages nobody holds stay resident (`idle`, least recently used first) until the budget
 needs them: `allocate` evicts from the front. Namespace None publishes and finds nothing.
 Models whose sequences carry a recurrent state keep snapshots of it beside the pages and
-resume only from one (slotserve.actors.state_snapshots).
+resume only from one; they publish only pages of cold-prefill bits, and a tail is copied
+from, never taken over (slotserve.actors.state_snapshots).
 Everything here runs on the event loop (page bookkeeping only; the arrays grow on the MLX
 thread, see KVPool.ensure_arrays).
 """
@@ -286,6 +287,15 @@ class KVCache:
         self.pool.free([page])
         self.evictions[reason] += 1
 
+    def evict_idle(self, pages: list[int]) -> None:
+        """Evict those of `pages` that are idle (what a dropped settle pass left)."""
+        for page in pages:
+            if page in self.idle:
+                del self.idle[page]
+                self._forget(page)
+                self.pool.free([page])
+                self.evictions["dropped"] += 1
+
     def drop_idle(self) -> int:
         """Evict every idle page (forces cold prefills); returns how many."""
         n = len(self.idle)
@@ -302,6 +312,8 @@ class KVCache:
         if chain.namespace is None:
             return
         full = len(ledger) // BLOCK
+        if self.snapshots is not None:  # a recurrent state: cold-prefill bits alone
+            full = min(full, self.snapshots.canonical_end(kv) // BLOCK)  # type: ignore[arg-type]
         while len(chain.keys) < full:
             j = len(chain.keys)
             parent, written = chain.last_key(), ledger[j * BLOCK : (j + 1) * BLOCK]
@@ -321,16 +333,32 @@ class KVCache:
         self.publish(kv, ledger, chain)
         pages = kv.pages
         kv.set_pages([])
-        full = len(ledger) // BLOCK
-        if len(ledger) % BLOCK and len(pages) > full and chain.namespace is not None:
-            self.tails.add(chain.last_key(), pages[full], list(ledger[full * BLOCK :]))
-            if self.snapshots is not None:
-                self.snapshots.tail(kv, pages[full], full * BLOCK,  # type: ignore[arg-type]
-                                    len(ledger))
         if self.snapshots is not None:
-            self.snapshots.finish(kv)  # type: ignore[arg-type]
+            self._finish_stateful(kv, ledger, chain, pages)
+        else:
+            full = len(ledger) // BLOCK
+            if len(ledger) % BLOCK and len(pages) > full and chain.namespace is not None:
+                self.tails.add(chain.last_key(), pages[full], list(ledger[full * BLOCK :]))
         for p in self.pool.drop(pages):
             self._settle(p)
+
+    def _finish_stateful(self, kv: SlotKV, ledger: list[int], chain: Chain,
+                         pages: list[int]) -> None:
+        """The tail of a sequence with a recurrent state: the page its canonical end lies in
+        (what was written there past it is recomputed by whoever resumes), with the state
+        there; the pages past it are freed (never published)."""
+        snaps = self.snapshots
+        assert snaps is not None
+        if chain.namespace is not None:
+            end = min(snaps.canonical_end(kv), len(ledger))  # type: ignore[arg-type]
+            full = len(chain.keys)
+            if end > full * BLOCK and len(pages) > full:
+                written = list(ledger[full * BLOCK : min(len(ledger), (full + 1) * BLOCK)])
+                if snaps.tail(kv, pages[full], full * BLOCK, end):  # type: ignore[arg-type]
+                    self.tails.add(chain.last_key(), pages[full], written)
+            elif end == full * BLOCK and full:
+                snaps.page_end(kv, chain.keys[-1], end)  # type: ignore[arg-type]
+        snaps.finish(kv)  # type: ignore[arg-type]
 
     def _forget(self, page: int) -> None:
         key = self.key_of.pop(page, None)

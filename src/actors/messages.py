@@ -31,6 +31,9 @@ class GenerationRequest:
     arrived: float = field(default_factory=time.perf_counter)
     grammar: Grammar | None = None  # constrained decoding (response_format)
     cache_namespace: CacheNamespace | None = GLOBAL_NAMESPACE  # prefix reuse only within it
+    # an engine-internal pass nobody waits for (a settle pass: slotserve.actors.settle):
+    # placed only when nothing is queued, its chunks get only the prefill budget left over
+    background: bool = False
 
 
 @dataclass
@@ -151,6 +154,7 @@ class Ready:
     prefilling: bool
     arrived_at: float
     slot: Address[SlotMessage]
+    background: bool = False  # GenerationRequest.background: the budget left over only
 
 
 @dataclass

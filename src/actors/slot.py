@@ -65,7 +65,8 @@ class Placement(Protocol):
 
     def written(self, slot: Slot) -> None: ...
 
-    def release(self, slot: Slot, ledger: list[int], chain: Chain) -> None: ...
+    def release(self, slot: Slot, ledger: list[int], chain: Chain,
+                settle: bool = False) -> None: ...
 
     def suspend(self, slot: Slot, request: GenerationRequest, progress: Progress,
                 ledger: list[int], chain: Chain) -> None: ...
@@ -93,7 +94,8 @@ class Slot(Actor[SlotMessage]):
         self.preempt_requested = False  # step back once the step in flight has answered
         # a request that ended while a step could still be writing its pages: they go back
         # to the cache when that step has answered (ledger and chain to release them under)
-        self._release_after: tuple[list[int], Chain] | None = None
+        # (and whether it finished as asked: its generated tokens may be settled)
+        self._release_after: tuple[list[int], Chain, bool] | None = None
         self.last_used = 0.0
         self.request: GenerationRequest | None = None
         self.session: Address[SessionMessage] | None = None
@@ -196,7 +198,7 @@ class Slot(Actor[SlotMessage]):
         )
         self.in_flight = True
         self.batcher.tell(Ready(self.id, self.epoch, work, self.prefilling, self.arrived_at,
-                                self))
+                                self, req.background))
         return True
 
     def _answer(self) -> None:
@@ -262,10 +264,10 @@ class Slot(Actor[SlotMessage]):
         if self.placement is None:
             return
         if self._release_after is not None:
-            ledger, chain = self._release_after
+            ledger, chain, settle = self._release_after
             self._release_after = None
             self.busy = False
-            self.placement.release(self, ledger, chain)
+            self.placement.release(self, ledger, chain, settle)
         elif not self.busy:
             self.placement.pump()
 
@@ -302,15 +304,17 @@ class Slot(Actor[SlotMessage]):
         assert self.placement is not None
         usage = Usage(len(self.request.prompt_ids), self.generated, self.reused)
         self.session.tell(FinishEvent(reason, usage, error))
+        # a request that ended as asked may leave its generated tokens to a settle pass
+        settle = reason in ("stop", "length") and not self.request.background
         in_flight = self.in_flight
         if in_flight:  # an offer is out: drop it, or let the step that took it answer
             self.batcher.tell(Withdraw(self.id, self.epoch))
         ledger, chain = self._clear()
         if in_flight:  # that step may still write these pages: release them after it
-            self._release_after = (ledger, chain)
+            self._release_after = (ledger, chain, settle)
             self.busy = True  # not placeable, and its pages still count, until then
         else:
-            self.placement.release(self, ledger, chain)
+            self.placement.release(self, ledger, chain, settle)
 
     def on_crash(self, msg: SlotMessage, exc: Exception) -> None:
         was_step = isinstance(msg, StepDone | StepFailed)

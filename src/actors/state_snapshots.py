@@ -9,12 +9,18 @@ the page. A snapshot is taken only where the state has the bits a cold prefill o
 tokens gives (the model's `canonical` marks), so a continuation resumed from it computes
 every later position exactly as the same prompt prefilled cold.
 
-A finished sequence also leaves the deepest canonical state inside its unfinished last
-page (the cache's *tail* of its chain: where its prompt's chunked prefill stopped, e.g. an
-agent's previous turn), kept with that tail page. A lookup whose tokens agree with such a
-tail up to that state takes the page over and resumes there (what was written past it is
-recomputed); otherwise it keeps the deepest page snapshot inside the pages it
-matched and trims the match there (no tail, no partial copy: the state starts there).
+Only pages below a sequence's canonical end (`canonical_end`: where it resumed from, or the
+deepest state its chunked prefill reached since) are published: past it, positions were
+decoded or ran the recurrent form, and their K/V are not a cold prefill's bits either.
+
+A finished sequence also leaves the deepest canonical state it reached (where its prompt's
+chunked prefill stopped, e.g. an agent's previous turn; or where a settle pass over its
+generated tokens stopped, see admission's settle passes) with the page it lies in: the
+cache's *tail* of its chain, or its last published page when it lies at that page's end.
+A lookup whose tokens agree with such a tail up to that state copies the tail's positions
+before it into a page of its own (the tail stays, for the next turn or a repeat) and
+resumes there; otherwise it keeps the deepest page snapshot inside the pages it matched and
+trims the match there (the state starts there).
 Snapshots count as resident memory in the budget (`pages`: each costs the page-equivalents
 of its bytes, never committed to a running request) and are dropped with their page, or on
 their own (least recently used first, tails last) when the budget needs room and no idle
@@ -77,14 +83,13 @@ class StateSnapshots:
             if got is None:
                 continue
             pos, states = got
-            if (full <= pos < len(tokens) and (best is None or pos > best[0])
+            if (full < pos < len(tokens) and (best is None or pos > best[0])
                     and written[: pos - full] == tokens[full:pos]):
                 best = (pos, page, states)
-        if best is not None:
+        if best is not None:  # copied, not taken over: the tail stays for other turns
             pos, page, states = best
             self.tails.move_to_end(page)
-            match.pages.append(page)
-            match.tail, match.tokens, match.state = page, pos, states
+            match.copy, match.tokens, match.state = (page, pos - full), pos, states
             return match
         depth = len(match.keys)
         while depth > 0 and match.keys[depth - 1] not in self.states:
@@ -104,28 +109,52 @@ class StateSnapshots:
         if match.state is not None:
             self.taken += 1
 
+    @staticmethod
+    def canonical_end(kv: Stateful) -> int:
+        """Positions of kv's sequence below this hold cold-prefill bits (K/V and state):
+        only pages below it are published (a decoded position's K/V are not a prefill's)."""
+        return kv.recurrent.canonical_end  # type: ignore[no-any-return]
+
     def publish(self, kv: Stateful, key: Key, page_index: int) -> None:
         """Page `page_index` of kv's sequence was published under `key`: keep the state at
         its end if the interval asks for one there and the sequence reached it exactly."""
         end = (page_index + 1) * BLOCK
-        marks = kv.recurrent.marks
-        states = kv.recurrent.snapshot(end)
-        for pos in [p for p in marks if p < end]:
+        rec = kv.recurrent
+        marks = rec.marks
+        states = rec.snapshot(end)
+        deepest = rec.deepest()  # kept whatever happens: it may yet be a tail (`tail`)
+        for pos in [p for p in marks if p < end and p != deepest]:
             del marks[pos]
         if states is not None and (page_index + 1) % self.interval == 0 \
                 and key not in self.states:
             self.states[key] = states
-            del marks[end]  # (else kept: it may yet be the sequence's deepest, see `tail`)
 
-    def tail(self, kv: Stateful, page: int, start: int, end: int) -> None:
+    def tail(self, kv: Stateful, page: int, start: int, end: int) -> bool:
         """kv's sequence finished with `page` (positions `start`..`end`-1 written) as its
-        chain's tail: keep its deepest canonical state in there with that page."""
+        chain's tail: keep the deepest canonical state it reached in there with that page.
+        False when it reached none there (the page is no use to a lookup)."""
         rec = kv.recurrent
         found = [p for p in rec.marks
-                 if start <= p <= end and rec.snapshot(p) is not None]
-        if found:
-            pos = max(found)
-            self.tails[page] = (pos, rec.snapshot(pos))
+                 if start < p <= end and rec.snapshot(p) is not None]
+        if not found:
+            return False
+        pos = max(found)
+        self.tails[page] = (pos, rec.snapshot(pos))
+        return True
+
+    def page_end(self, kv: Stateful, key: Key, end: int) -> None:
+        """kv's sequence finished with its deepest canonical state at the end of its last
+        published page (`key`): keep it there, whatever the interval."""
+        states = kv.recurrent.snapshot(end)
+        if states is not None and key not in self.states:
+            self.states[key] = states
+
+    def resume_exact(self, kv: Stateful, prompt_tokens: int) -> None:
+        """kv's sequence is a preempted request resuming (its prompt `prompt_tokens` long,
+        the rest generated): from its prompt's last whole sub-chunk on, every position runs
+        the recurrent form, as its uninterrupted run's prompt end and decode steps did, so
+        it gives the same tokens."""
+        kv.recurrent.recurrent_from = prompt_tokens
 
     def finish(self, kv: Stateful) -> None:
         """The sequence let go: its live state is no longer needed."""

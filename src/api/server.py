@@ -141,6 +141,7 @@ def main(args: argparse.Namespace) -> int:
                        kv_reserve_tokens=getattr(args, "kv_reserve_tokens", None),
                        state_snapshot_pages=getattr(args, "state_snapshot_pages",
                                                     state_snapshots.DEFAULT_INTERVAL),
+                       settle_passes=not getattr(args, "no_settle_passes", False),
                        default_max_tokens=getattr(args, "default_max_tokens", None),
                        allow_batch_variance=getattr(args, "allow_batch_variance", False),
                        cache_scope=getattr(args, "cache_scope", "key"))

@@ -96,6 +96,11 @@ class RecurrentState:
     # drops each once the page past it is published
     marks: dict[int, list[LayerState | None]] = field(default_factory=dict)
     keep_marks: bool = False
+    resumed_at: int = 0  # the position `restore` started from (a snapshot's: canonical)
+    # positions from here on run the recurrent form even inside whole sub-chunks: a
+    # preempted request that resumes computes its decoded positions as its decode steps
+    # did (None: the usual rule; see `chunked_before`)
+    recurrent_from: int | None = None
 
     def __post_init__(self) -> None:
         if not self.versions:
@@ -131,10 +136,29 @@ class RecurrentState:
             return None
         return got  # type: ignore[return-value]
 
+    def deepest(self) -> int:
+        """The deepest position this sequence itself reached canonically (0: none)."""
+        return max((p for p in self.marks if self.snapshot(p) is not None), default=0)
+
+    @property
+    def canonical_end(self) -> int:
+        """Positions below this hold the bits a cold prefill gives them (their K/V too):
+        the snapshot the sequence resumed from, or the deepest canonical state since."""
+        return max(self.resumed_at, self.deepest())
+
+    def chunked_before(self, last: int) -> int:
+        """The end of the whole sub-chunks a segment may run in the chunked form, given
+        the usual one (`last`, a multiple of CHUNK): cut back to `recurrent_from`."""
+        if self.recurrent_from is None:
+            return last
+        return min(last, self.recurrent_from // CHUNK * CHUNK)
+
     def restore(self, pos: int, states: list[LayerState] | None) -> None:
         """Start over from a snapshot at `pos` (or empty: position 0)."""
         self.versions = [{} for _ in range(self.shape.layers)]
         self.marks = {}
+        self.recurrent_from = None
+        self.resumed_at = pos if states is not None else 0
         if states is not None and pos > 0:
             for i, s in enumerate(states):
                 self.versions[i][pos] = s
@@ -384,7 +408,7 @@ class GatedDeltaNet(Layer):
         q, k, v, g, beta = self._prep(conv[0], b[rows], a[rows])
         start, end = seg.start, seg.start + seg.length
         first = -(-start // CHUNK) * CHUNK
-        last = (end // CHUNK) * CHUNK
+        last = rec.chunked_before((end // CHUNK) * CHUNK)
         if first >= last:
             first = last = end  # no whole sub-chunk: every row recurrent
         ssm, canonical = st.ssm, st.canonical and start == first
