@@ -51,6 +51,12 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_tu
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
 SHOWN_TOKENS = ("<|tool_call>", "<tool_call|>", '<|"|>')
 CONTROL, USER_DEFINED, UNUSED, BYTE = 3, 4, 5, 6  # tokenizer.ggml.token_type values
+# Gemma 4's markers that llama.cpp's converter stores as USER_DEFINED (conversion/gemma.py,
+# so that its own detokenizer renders them for its chat parser): control tokens of the model's
+# tokenizer all the same, read back as such (user text never spells them; a tool call's end,
+# <|tool_response>, stops generation; the API's parsers see them, SHOWN_TOKENS)
+GEMMA4_RENDERED = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>",
+                   "<|tool_response>", "<tool_response|>", '<|"|>')
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _HOLE = "\ue000"  # stands for a stretch of user text while control tokens are found
 
@@ -197,6 +203,9 @@ class Tokenizer:
         if len(types) != len(tokens):
             raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries "
                                  f"for {len(tokens)} tokens")
+        if kind == "gemma4":
+            types = [CONTROL if ty == USER_DEFINED and t in GEMMA4_RENDERED else ty
+                     for t, ty in zip(tokens, types, strict=True)]
         if kind == "gpt2":
             hf = _byte_level_bpe(tokens, get("merges") or [], get("pre") or "default", source)
         elif kind in ("llama", "gemma4"):  # gemma4: SentencePiece-style BPE with merges
@@ -286,13 +295,14 @@ class Tokenizer:
         every special-token string swapped for a placeholder, and the holes are those
         placeholders (`ChatTemplate.render_guarded`). Without holes this is exactly
         ``encode(text, parse_special=True)``; with them, the ids of the same text with the
-        user's markers made harmless.
+        user's markers made harmless. A template that writes the BOS itself (Gemma's
+        `{{ bos_token }}`) gets no second one: what transformers' apply_chat_template gives.
         """
         if holes:
             ids = self._fill_holes(text, sorted(holes))
         else:
             ids = _encode(self._tk, text).ids
-        if add_special and self.add_bos:
+        if add_special and self.add_bos and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)  # type: ignore[arg-type]
         return ids
 
