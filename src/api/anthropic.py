@@ -92,6 +92,7 @@ class MessagesRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     options: dict[str, Any] = field(default_factory=dict)
     thinking: Thinking | None = None  # `thinking`, for a template with a reasoning switch
+    parallel_calls: bool = True  # tool_choice.disable_parallel_tool_use not set
 
 
 # Claude Code starts its system prompt with a line that changes on every request
@@ -118,7 +119,9 @@ def parse_messages(body: dict[str, Any], count: bool = False) -> MessagesRequest
     return MessagesRequest(messages=b.messages, max_tokens=b.max_tokens, model=b.model,
                            system=None if b.system is None else system_text(b.system),
                            stream=b.stream, tools=tools, tool_choice=b.tool_choice_for(tools),
-                           options=b.options(), thinking=Thinking.anthropic(b.thinking))
+                           options=b.options(), thinking=Thinking.anthropic(b.thinking),
+                           parallel_calls=not (b.tool_choice is not None
+                                               and b.tool_choice.disable_parallel_tool_use))
 
 
 def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], str]:
@@ -315,7 +318,7 @@ async def count_tokens(state: AppState, req: MessagesRequest) -> Response:
 async def messages(state: AppState, req: MessagesRequest) -> Response:
     msgs, prefill = chat_messages(req)
     run = await start_chat(state, msgs, req.tools, req.tool_choice, req.options, prefill,
-                           thinking=req.thinking)
+                           parallel_calls=req.parallel_calls, thinking=req.thinking)
     ids = (_message_id(), state.model_id)
     if req.stream:
         return stream_response(_events(state, run, *ids))

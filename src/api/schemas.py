@@ -884,12 +884,13 @@ def _anthropic_tool(tool: AnthropicTool) -> dict[str, Any]:
 class AnthropicToolChoice(Wire):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None  # the tool, for type "tool"
+    disable_parallel_tool_use: bool | None = None  # at most one call (forced: exactly one)
 
     @model_validator(mode="before")
     @classmethod
     def _name_only_for_tool(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("type") != "tool":
-            return {k: data[k] for k in ("type",) if k in data}  # the rest is ignored
+        if isinstance(data, dict) and data.get("type") != "tool":  # the rest is ignored
+            return {k: data[k] for k in ("type", "disable_parallel_tool_use") if k in data}
         return data
 
 
