@@ -68,3 +68,29 @@ def test_flash_preset_rope_matches_transformers() -> None:
         assert abs(rope.factor - getattr(rotary, f"{kind}_attention_scaling")) < 1e-9
         got = [float(x) for x in rope.inv_freq.tolist()]
         assert max(abs(g - w) / w for g, w in zip(got, want.tolist(), strict=True)) < 1e-6
+
+
+def test_export_is_read_by_transformers(tmp_path: Path) -> None:
+    """`slotserve export` writes the reference names (as save_pretrained does, per-expert
+    weights, the hash table as integers) and a config transformers builds the same model
+    from: its logits are ours."""
+    import mlx.core as mx
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from slotserve.model.layers import Batch
+    from slotserve.tools.export import export
+
+    synth("tiny-deepseek-v4", tmp_path / "src", fmt="bf16")
+    export(tmp_path / "src", tmp_path / "out")
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.float32).eval()
+    prompt = list(range(100, 260))
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+    for path in (tmp_path / "src", tmp_path / "out"):
+        model = load(path, device="cpu", with_tokenizer=False).model
+        got = np.array(model(mx.array(prompt), Batch.build([(model.new_kv(), 0, len(prompt))]),
+                             [len(prompt) - 1])[0])
+        assert np.abs(got - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max()))

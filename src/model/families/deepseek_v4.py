@@ -155,11 +155,21 @@ class Config(ModelConfig):
                     index_topk=self.index_topk, n_routed_experts=self.num_experts,
                     num_experts_per_tok=self.experts_per_token,
                     moe_intermediate_size=self.moe_intermediate_size,
+                    intermediate_size=self.moe_intermediate_size,  # transformers' alias of it
                     scoring_func=self.scoring_func, norm_topk_prob=self.norm_topk_prob,
                     routed_scaling_factor=self.routed_scaling_factor,
                     swiglu_limit=self.swiglu_limit,
                     compress_rope_theta=self.compress_rope_theta,
-                    partial_rotary_factor=self.rope_dim / self.head_dim)
+                    partial_rotary_factor=self.rope_dim / self.head_dim,
+                    rope_parameters=self.rope_parameters())
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers' nested form: "main" (sliding layers), "compress" (the others)."""
+        partial = self.rope_dim / self.head_dim
+        compress = {"rope_type": "default", **(self.compress_rope_scaling or {}),
+                    "rope_theta": self.compress_rope_theta, "partial_rotary_factor": partial}
+        return {"main": {"rope_type": "default", "rope_theta": self.rope_theta,
+                         "partial_rotary_factor": partial}, "compress": compress}
 
     def compressed_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t != SLIDING]
@@ -963,6 +973,37 @@ def sanitize(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
         weights[f"{prefix}.down_proj"] = w2
 
 
+def reference_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Export: the tensors under the reference names, as transformers' save_pretrained
+    writes them (which its from_pretrained reads back): the renames undone in reverse
+    order, each stacked expert projection split into per-expert w1 / w3 / w2, the hash
+    table as integers."""
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        n = name.removeprefix("model.")
+        hit = re.match(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", n)
+        if hit:
+            prefix = "model." + hit[1].replace(".mlp.", ".ffn.")
+            if hit[2] == "down_proj":
+                out.update({f"{prefix}.{e}.w2.weight": t[e] for e in range(t.shape[0])})
+            else:
+                half = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"{prefix}.{e}.w1.weight"] = t[e, :half]
+                    out[f"{prefix}.{e}.w3.weight"] = t[e, half:]
+            continue
+        if n.endswith(".tid2eid"):
+            t = t.astype(mx.int64)
+        for pattern, repl in reversed(RENAMES):
+            if pattern.startswith("^"):  # embed / head / hc_head keep transformers' names
+                continue
+            n = n.replace(repl, pattern.replace("\\", ""))
+        out[n if n == "lm_head.weight" else f"model.{n}"] = t
+    if "lm_head.weight" in out:
+        out["head.weight"] = out.pop("lm_head.weight")
+    return out
+
+
 FAMILY = Family(
     name="deepseek_v4",
     config=Config,
@@ -971,4 +1012,5 @@ FAMILY = Family(
     hf_model_type="deepseek_v4",
     gguf_architecture="deepseek4",
     sanitize=sanitize,
+    hf_tensors=reference_tensors,
 )
