@@ -3,8 +3,9 @@
 Each family's tiny random checkpoint (transformers' real classes, tests/converted.py) goes
 through convert_hf_to_gguf.py to f16 and Q8_0 and through llama-quantize to Q4_K_M (rows of
 256, as K-quants need; Q4_K_M mixes Q4_K with Q6_K, which slotserve requantizes to 8-bit):
-llama (plain and Llama-3-scaled), qwen3, gemma3, qwen2 (f16 and Q8_0: q/k/v biases, the
-real Qwen2 vocabulary) and qwen3_moe (f16 and Q8_0: 3-D experts).
+llama (plain and Llama-3-scaled), qwen3, gemma3, phi3 (fused projections, LongRoPE), qwen2
+(f16: q/k/v biases, the real Qwen2 vocabulary), Mistral (f16), qwen3_moe (f16, Q8_0 and
+llama-quantize's MXFP4_MOE: 3-D experts) and gpt-oss (f16 and MXFP4_MOE).
 The reference for each file is transformers run on the weights that file holds, dequantized
 by transformers' own GGUF reader (converted.dequantized_hf), so a misread tensor, scale,
 permutation or metadata key shows up, while the file's own rounding does not.
@@ -86,9 +87,9 @@ CASE_TOKENIZER = {"qwen2": "qwen2", "phi3": "smollm2-gpt2"}
 CASE_SEED = {"phi3": 1, "gpt_oss": 1}
 FORMATS = ("f16", "q8_0", "Q4_K_M")
 # qwen3_moe's rows are too short for K-quants (MXFP4_MOE: its experts in MXFP4); qwen2's
-# 151,936-token vocabulary makes each of its runs slow, and its Q4_K_M would test what
-# llama's does (its biases stay F32)
-CASE_FORMATS = {"qwen3_moe": ("f16", "q8_0", "MXFP4_MOE"), "qwen2": ("f16", "q8_0"),
+# 151,936-token vocabulary makes each of its runs slow, and its quantized files would test
+# what llama's do (its biases stay F32 in every format)
+CASE_FORMATS = {"qwen3_moe": ("f16", "q8_0", "MXFP4_MOE"), "qwen2": ("f16",),
                 "gpt_oss": ("f16", "MXFP4_MOE"), "mistral": ("f16",)}
 RUNS = [(c, f) for c in CASES for f in CASE_FORMATS.get(c, FORMATS)]
 GREEDY_EXACT = {"f16", "bf16", "q8_0"}

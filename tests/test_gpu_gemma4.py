@@ -2,7 +2,8 @@
 (MLX 4-bit; per-layer inputs and shared K/V, then experts beside the MLP), served by the
 engine in bfloat16. Their heads (64 sliding, 128 global) take slotserve's CUDA attention
 kernels, each layer addressing the pool with its own head count, in plain and compiled
-decode steps: batch and prefix-reuse invariance must hold there too."""
+decode steps: batch and prefix-reuse invariance must hold there too. And a Q8_0 GGUF in
+llama.cpp's Gemma 4 layout against the CPU run of the same file."""
 
 from __future__ import annotations
 
@@ -117,3 +118,130 @@ def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -
     chunked, batched = harness.call(lambda: harness.engine.mlx.run(run))
     assert all(chunked), chunked
     assert all(batched), batched
+
+
+# ---- a Gemma 4 GGUF (the device has no llama.cpp converter: written by the gguf package,
+# in the names, keys and layout convert_hf_to_gguf.py writes, as tests/test_gemma4_converted.py
+# reads them from the converter itself) -------------------------------------------------------
+
+H, V, HEADS, EXPERTS, WIDTH, STEPS, PROMPT_LEN = 128, 512, 4, 4, 16, 64, 24
+KINDS = [True, True, False, True, True, False]  # sliding, ..., global (the last two: shared K/V)
+SLIDING_DIM, GLOBAL_DIM, SHARED = 64, 128, 2  # head sizes as the CUDA attention kernel takes
+
+
+def write_gemma4_gguf(path: Path, seed: int = 0) -> Path:
+    """Random weights, projections and tables Q8_0: experts beside the MLP, per-layer
+    inputs, attention_k_eq_v (no attn_v on global layers), double-wide shared-K/V MLPs,
+    proportional RoPE on the global layers (rope_freqs), a logit cap."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    n, first_shared = len(KINDS), len(KINDS) - SHARED
+    ff = [256 if i < first_shared else 512 for i in range(n)]
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_block_count(n)
+    w.add_context_length(1024)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv([2 if s else 1 for s in KINDS])
+    w.add_key_length(GLOBAL_DIM)
+    w.add_value_length(GLOBAL_DIM)
+    w.add_key_length_swa(SLIDING_DIM)
+    w.add_value_length_swa(SLIDING_DIM)
+    w.add_rope_dimension_count(GLOBAL_DIM)
+    w.add_rope_dimension_count_swa(SLIDING_DIM)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_rope_freq_base_swa(10_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(64)
+    w.add_sliding_window_pattern(KINDS)
+    w.add_shared_kv_layers(SHARED)
+    w.add_embedding_length_per_layer_input(WIDTH)
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(64)
+    w.add_final_logit_softcapping(30.0)
+    w.add_vocab_size(V)
+
+    def put(name: str, shape: tuple[int, ...], std: float, mean: float = 0.0,
+            quantized: bool = False) -> None:
+        arr = rng.normal(mean, std, shape).astype(np.float32)
+        if quantized:
+            w.add_tensor(name, gguf.quants.quantize(arr, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(name, arr)
+
+    rotating = GLOBAL_DIM // 8  # partial_rotary_factor 0.25 of GLOBAL_DIM / 2 frequencies
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotating + [1e30] * (GLOBAL_DIM // 2
+                                               - rotating), dtype=np.float32))
+    put("token_embd.weight", (V, H), 0.1, quantized=True)  # (larger: one token always wins)
+    put("per_layer_token_embd.weight", (V, n * WIDTH), 0.5, quantized=True)
+    put("per_layer_model_proj.weight", (n * WIDTH, H), 0.08, quantized=True)
+    put("per_layer_proj_norm.weight", (WIDTH,), 0.1, 1.0)
+    put("output_norm.weight", (H,), 0.1, 1.0)
+    for i, sliding in enumerate(KINDS):
+        p, d = f"blk.{i}", SLIDING_DIM if sliding else GLOBAL_DIM
+        kv = 2 if sliding else 1
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm",
+                     "post_ffw_norm_1", "pre_ffw_norm_2", "post_ffw_norm_2", "post_norm"):
+            put(f"{p}.{norm}.weight", (H,), 0.1, 1.0)
+        put(f"{p}.attn_q_norm.weight", (d,), 0.1, 1.0)
+        put(f"{p}.attn_q.weight", (HEADS * d, H), 0.08, quantized=True)
+        put(f"{p}.attn_output.weight", (H, HEADS * d), 0.08, quantized=True)
+        if i < first_shared:
+            put(f"{p}.attn_k_norm.weight", (d,), 0.1, 1.0)
+            put(f"{p}.attn_k.weight", (kv * d, H), 0.08, quantized=True)
+            if sliding:
+                put(f"{p}.attn_v.weight", (kv * d, H), 0.08, quantized=True)
+        put(f"{p}.ffn_gate.weight", (ff[i], H), 0.08, quantized=True)
+        put(f"{p}.ffn_up.weight", (ff[i], H), 0.08, quantized=True)
+        put(f"{p}.ffn_down.weight", (H, ff[i]), 0.08, quantized=True)
+        put(f"{p}.ffn_gate_inp.weight", (EXPERTS, H), 0.2, quantized=True)
+        put(f"{p}.ffn_gate_inp.scale", (H,), 0.1, 1.0)
+        put(f"{p}.ffn_gate_up_exps.weight", (EXPERTS, 128, H), 0.08, quantized=True)
+        put(f"{p}.ffn_down_exps.weight", (EXPERTS, H, 64), 0.08, quantized=True)
+        put(f"{p}.ffn_down_exps.scale", (EXPERTS,), 0.1, 1.0)
+        put(f"{p}.inp_gate.weight", (WIDTH, H), 0.08, quantized=True)
+        put(f"{p}.proj.weight", (H, WIDTH), 0.05)
+        put(f"{p}.layer_output_scale.weight", (1,), 0.1, 1.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_on_gpu_matches_cpu_run_of_the_same_file(tmp_path: Path) -> None:
+    """tests/test_gpu_gguf.py's criteria: the GPU run (bfloat16, the GGUF's Q8_0 held as
+    MLX 8-bit) agrees with the CPU run's top token at >= 95 % of 64 teacher-forced positions
+    of the CPU's greedy continuation, no logit further than 10 % of the CPU logits' range."""
+    import numpy as np
+
+    from slotserve.model.loader import load
+    from slotserve.runtime.plain import greedy_tokens
+
+    path = write_gemma4_gguf(tmp_path / "gemma4.gguf")
+    before = mx.default_device()
+    try:
+        def forced(model: Any, seq: list[int]) -> np.ndarray:
+            rows = list(range(PROMPT_LEN - 1, len(seq) - 1))
+            out = model(mx.array(seq), Batch.build([(model.new_kv(), 0, len(seq))]), rows)
+            return np.array(out.astype(mx.float32))
+
+        cpu = load(path, device="cpu", with_tokenizer=False, probe_rows=None).model
+        prompt = np.random.default_rng(1).integers(3, V, PROMPT_LEN).tolist()
+        seq = prompt + greedy_tokens(cpu, prompt, STEPS)
+        want = forced(cpu, seq)
+        gpu = load(path, device="gpu", with_tokenizer=False, probe_rows=None)
+        assert gpu.config.family == "gemma4" and gpu.config.attention_k_eq_v
+        assert {b.attn.backend for b in gpu.model.layers} == {Backend.CUDA}
+        got = forced(gpu.model, seq)
+    finally:
+        mx.set_default_device(before)
+    agreement = float((got.argmax(-1) == np.array(seq[PROMPT_LEN:])).mean())
+    diff, spread = float(np.abs(got - want).max()), float(want.max() - want.min())
+    assert agreement >= 0.95, f"top-1 agreement {agreement}, max diff {diff}"
+    assert diff <= 0.1 * spread, f"max |logit diff| {diff}, CPU logit range {spread}"
