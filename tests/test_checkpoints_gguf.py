@@ -193,6 +193,20 @@ def test_phi3_gguf_carries_longrope() -> None:
     assert not any("rope" in k for k in weights)
 
 
+def test_gpt_oss_gguf_tokenizer_splits_as_o200k() -> None:
+    """gpt-oss's GGUF files name their pre-tokenizer "gpt-4o" (o200k): read with its split, not
+    GPT-2's fallback (capitals lead a word, contractions of either case, digits in threes)."""
+    from slotserve.model.loader import default_model_path
+    from slotserve.model.tokenizer import Tokenizer
+
+    _, meta = mx.load(str(default_model_path()), return_metadata=True)
+    with capture_logs() as logs:
+        tok = Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": "gpt-4o"}, "m.gguf")
+    assert not [e for e in logs if e["event"].startswith("unknown tokenizer.ggml.pre")]
+    pieces = [p for p, _ in tok._tk.pre_tokenizer.pre_tokenize_str("Hello World'S 12345 ok\n\n")]
+    assert pieces == ["Hello", "ĠWorld'S", "Ġ", "123", "45", "Ġok", "ĊĊ"]
+
+
 # --- refusals -------------------------------------------------------------------------------
 
 

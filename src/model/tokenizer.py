@@ -30,6 +30,16 @@ _LLAMA3_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# o200k's split (gpt-oss's tokenizer.json, quoted by llama.cpp for its "gpt-4o" pre type):
+# a word takes its leading capitals and a contraction of either case, digits go 1-3 at a time
+_CASED_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    + _CASED_CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    + _CASED_CONTRACTIONS
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> split regexes applied in order before the byte-level mapping.
 _PRE_SPLITS: dict[str, list[str]] = {
     "gpt2": [GPT2_SPLIT],
@@ -38,6 +48,7 @@ _PRE_SPLITS: dict[str, list[str]] = {
                                           "codeshell", "exaone", "minerva")},
     **{n: [_LLAMA3_SPLIT] for n in ("llama-bpe", "llama3", "dbrx", "smaug-bpe")},
     **{n: [_QWEN2_SPLIT] for n in ("qwen2", "deepseek-r1-qwen")},
+    "gpt-4o": [_GPT4O_SPLIT],
 }
 _IGNORE_MERGES = {"llama-bpe", "llama3"}  # Llama 3 looks whole words up before merging
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
