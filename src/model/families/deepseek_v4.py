@@ -240,10 +240,6 @@ class LayerState:
     parts: dict[str, mx.array]
     canonical: bool = True  # every state is (see the module doc)
 
-    @property
-    def conv(self) -> mx.array:  # deltanet.LayerState's names, read by RecurrentState users
-        return self.parts["win"]
-
 
 @dataclass
 class StateShape:
