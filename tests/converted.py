@@ -339,6 +339,42 @@ def dequantized_hf(hf_dir: Path, gguf_file: Path) -> Path:
     return _cached("dequantized", key, make)
 
 
+def to_hf_mxfp4(hf_dir: Path) -> Path:
+    """A float gpt-oss HF checkpoint with its experts as the released files keep them: MXFP4
+    `*_blocks` [E, out, in / 32, 16] (two codes a byte, low nibble first) and E8M0
+    `*_scales`, from MLX's own mxfp4 quantizer, and OpenAI's quantization_config; the input
+    of llama.cpp's converter for the released gpt-oss GGUF files (it repacks the blocks as
+    GGML MXFP4 instead of dequantizing them)."""
+    import mlx.core as mx
+
+    key = _digest(Path(hf_dir), "mxfp4")
+
+    def make(out: Path) -> None:
+        tensors: dict[str, Any] = {}
+        for name, value in mx.load(str(Path(hf_dir) / "model.safetensors")).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                codes, scales = mx.quantize(value.swapaxes(1, 2), group_size=32, bits=4,
+                                            mode="mxfp4")
+                e, rows, words = codes.shape
+                tensors[name + "_blocks"] = codes.view(mx.uint8).reshape(
+                    e, rows, words * 4 // 16, 16)
+                tensors[name + "_scales"] = scales
+            else:
+                tensors[name] = value
+        mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "pt"})
+        cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+        cfg["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                       "model.embed_tokens", "lm_head"]}
+        (out / "config.json").write_text(json.dumps(cfg))
+        for f in Path(hf_dir).glob("*"):
+            if f.name.startswith(("tokenizer", "generation_config")):
+                shutil.copy(f, out / f.name)
+
+    return _cached("hf-mxfp4", key, make)
+
+
 def _gpt_oss_tensors(gguf_file: Path) -> dict[str, Any]:
     """A gpt-oss GGUF's tensors dequantized by gguf-py, under transformers' names and in its
     layout. transformers' own GGUF reader fails on gpt-oss (5.24 reads each rope.scaling

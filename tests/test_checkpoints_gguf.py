@@ -5,7 +5,8 @@ through convert_hf_to_gguf.py to f16 and Q8_0 and through llama-quantize to Q4_K
 256, as K-quants need; Q4_K_M mixes Q4_K with Q6_K, which slotserve requantizes to 8-bit):
 llama (plain and Llama-3-scaled), qwen3, gemma3, phi3 (fused projections, LongRoPE), qwen2
 (f16: q/k/v biases, the real Qwen2 vocabulary), Mistral (f16), qwen3_moe (f16, Q8_0 and
-llama-quantize's MXFP4_MOE: 3-D experts) and gpt-oss (f16 and MXFP4_MOE).
+llama-quantize's MXFP4_MOE: 3-D experts) and gpt-oss (f16, MXFP4_MOE, and its released
+files' path: an HF checkpoint with MXFP4 experts through the converter, which repacks them).
 The reference for each file is transformers run on the weights that file holds, dequantized
 by transformers' own GGUF reader (converted.dequantized_hf), so a misread tensor, scale,
 permutation or metadata key shows up, while the file's own rounding does not.
@@ -31,7 +32,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from converted import dequantized_hf, quantize, tiny_hf, to_gguf
+from converted import dequantized_hf, quantize, tiny_hf, to_gguf, to_hf_mxfp4
 from model_checks import hf_greedy
 from slotserve.model.config import gguf_rope_scaling
 from slotserve.model.errors import UnsupportedModelError
@@ -90,10 +91,13 @@ FORMATS = ("f16", "q8_0", "Q4_K_M")
 # 151,936-token vocabulary makes each of its runs slow, and its quantized files would test
 # what llama's do (its biases stay F32 in every format)
 CASE_FORMATS = {"qwen3_moe": ("f16", "q8_0", "MXFP4_MOE"), "qwen2": ("f16",),
-                "gpt_oss": ("f16", "MXFP4_MOE"), "mistral": ("f16",)}
+                "gpt_oss": ("f16", "MXFP4_MOE", "hf-mxfp4"), "mistral": ("f16",)}
 RUNS = [(c, f) for c in CASES for f in CASE_FORMATS.get(c, FORMATS)]
-GREEDY_EXACT = {"f16", "bf16", "q8_0"}
-RMS_TOL = {"f16": 1e-5, "bf16": 1e-5, "q8_0": 0.03, "Q4_K_M": 0.04, "MXFP4_MOE": 0.04}
+# hf-mxfp4: the released files' path, the HF checkpoint with MXFP4 experts through the
+# converter (which repacks the blocks as GGML MXFP4), the rest f16
+GREEDY_EXACT = {"f16", "bf16", "q8_0", "hf-mxfp4"}
+RMS_TOL = {"f16": 1e-5, "bf16": 1e-5, "q8_0": 0.03, "Q4_K_M": 0.04, "MXFP4_MOE": 0.04,
+           "hf-mxfp4": 1e-5}
 PROMPT = np.random.default_rng(0).integers(0, 49152, 40).tolist()
 NEW = 64
 
@@ -104,6 +108,8 @@ def gguf_file(case: str, fmt: str) -> tuple[Path, Path]:
                      row_spread=1.0, tokenizer=CASE_TOKENIZER.get(case, "smollm2"))
     if fmt in ("f16", "bf16", "q8_0"):
         return hf_dir, to_gguf(hf_dir, fmt)
+    if fmt == "hf-mxfp4":
+        return hf_dir, to_gguf(to_hf_mxfp4(hf_dir), "f16")
     return hf_dir, quantize(to_gguf(hf_dir, "f16"), fmt)
 
 
@@ -147,7 +153,7 @@ def test_converted_gguf_matches_transformers(case: str, fmt: str) -> None:
         assert read["requantized"].get("Q6_K -> MLX 8-bit g32", 0) > 0, read
     if fmt == "q8_0":
         assert read["lossless"].get("Q8_0 -> MLX 8-bit g32", 0) > 0, read
-    if fmt == "MXFP4_MOE":  # the experts stay MXFP4, as MLX's mxfp4
+    if fmt in ("MXFP4_MOE", "hf-mxfp4"):  # the experts stay MXFP4, as MLX's mxfp4
         assert read["lossless"].get("MXFP4 -> MLX mxfp4", 0) == 3 * 2, read
 
 
