@@ -88,11 +88,18 @@ def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -
     model = harness.engine.loaded.model
     prompt = [int(t) % 4000 + 10 for t in range(7, 7 + 150 * 13, 13)]
 
+    def step(tokens: list[int], parts: list[Any], rows: list[int]) -> mx.array:
+        """One forward, evaluated with its K/V writes and state (as the engine evaluates
+        each step's Batch.written)."""
+        batch = Batch.build(parts)
+        out = model(mx.array(tokens), batch, rows)
+        mx.eval(out, batch.written())
+        return out
+
     def logits(cuts: list[int]) -> mx.array:
         kv, start, out = model.new_kv(), 0, None
         for end in [*cuts, len(prompt)]:
-            out = model(mx.array(prompt[start:end]), Batch.build([(kv, start, end - start)]),
-                        [end - start - 1])
+            out = step(prompt[start:end], [(kv, start, end - start)], [end - start - 1])
             start = end
         return out[0]
 
@@ -101,13 +108,12 @@ def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -
         split = [logits(c) for c in ([64], [33, 97, 130])]
         kvs = [model.new_kv() for _ in range(4)]
         for kv, n in zip(kvs[2:], (37, 130), strict=True):
-            model(mx.array(prompt[:n]), Batch.build([(kv, 0, n)]), [n - 1])
+            step(prompt[:n], [(kv, 0, n)], [n - 1])
         feeds = [(prompt[:64], 0), (prompt[:100], 0), ([9], 37), ([11], 130)]
-        alone = [model(mx.array(t), Batch.build([(kv, s, len(t))]), [len(t) - 1])[0]
+        alone = [step(t, [(kv, s, len(t))], [len(t) - 1])[0]
                  for kv, (t, s) in zip(kvs, feeds, strict=True)]
         parts = [(kv, s, len(t)) for kv, (t, s) in zip(kvs, feeds, strict=True)]
-        together = model(mx.array([x for t, _ in feeds for x in t]), Batch.build(parts),
-                         [63, 163, 164, 165])
+        together = step([x for t, _ in feeds for x in t], parts, [63, 163, 164, 165])
         return ([bool(mx.array_equal(s, whole)) for s in split],
                 [bool(mx.array_equal(together[i], alone[i])) for i in range(4)])
 
