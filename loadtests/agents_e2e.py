@@ -12,6 +12,10 @@ Installs the pinned CLIs from npm into ~/.cache/slotserve/e2e (once; needs node 
                SmolLM2 with --tools Bash,Read: Claude Code's default system prompt and tools
                are ~22,700 tokens, past SmolLM2's 8,192-token context)
 
+With --record DIR, each agent talks to slotserve through a recording proxy
+(agents_record.py) and DIR/<agent>.json gets its requests and the answers' shapes, as
+tests/fixtures/agents/ holds them (replayed by tests/test_agents_replay.py).
+
 An agent passes when its CLI exits 0 and the server's access log shows its route answered 200
 and no request of it answered an error. Writes --out/<agent>.log and --out/server.log; exits 0
 only when every agent passed. Turns are slow on a CPU: a coding agent's own prompt is
@@ -31,6 +35,7 @@ import time
 from pathlib import Path
 
 from agents_gate import start_server, stop_server
+from agents_record import RecordingProxy, fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path.home() / ".cache" / "slotserve" / "e2e"
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="the model to serve (default: the bundled SmolLM2)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per agent turn")
     p.add_argument("--out", type=Path, default=ROOT / "reports" / "e2e")
+    p.add_argument("--record", type=Path, help="write each agent's exchanges as a fixture here")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     bin_dir = install()
@@ -125,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(home, ignore_errors=True)
             work = home / "work"
             work.mkdir(parents=True)
-            cmd, env = command(agent, bin_dir, url, home, work, args.model is None)
+            proxy = RecordingProxy(url).start() if args.record else None
+            cmd, env = command(agent, bin_dir, proxy.url if proxy else url, home, work,
+                               args.model is None)
             before = len((args.out / "server.log").read_text(errors="replace"))
             started = time.monotonic()
             with (args.out / f"{agent}.log").open("wb") as log:
@@ -136,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     rc = 124
             seconds = time.monotonic() - started
+            if proxy is not None:
+                proxy.stop()
+                args.record.mkdir(parents=True, exist_ok=True)
+                (args.record / f"{agent}.json").write_text(json.dumps(
+                    fixture(agent, PACKAGES[agent], proxy.exchanges), indent=1) + "\n")
             text = (args.out / "server.log").read_text(errors="replace")[before:]
             statuses, errors = served(text, ROUTES[agent])
             ok = rc == 0 and 200 in statuses and all(s < 400 for s in statuses) and not errors
