@@ -11,6 +11,7 @@ hash table), so a skipped term diverges at once.
 
 from __future__ import annotations  # noqa: I001  (slotserve preloads OpenBLAS before MLX)
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from slotserve.model.layers import Batch
 from slotserve.model.loader import load
 from slotserve.runtime.plain import greedy_tokens
 
+from converted import _cached, _digest
 from model_checks import assert_mixed_decode_matches_solo, hf_greedy
 
 torch = pytest.importorskip("torch")
@@ -75,24 +77,33 @@ def make_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> tuple[Path, 
     return path, hf
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    return make_checkpoint(tmp_path_factory.mktemp("deepseek_v4"))
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint: tuple[Path, Any]) -> Any:
-    return load(checkpoint[0], device="cpu", with_tokenizer=False).model
-
-
 def _hf_logits(hf: Any, tokens: list[int]) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].float().numpy()
 
 
-def test_config_and_prefill_logits_match_hf(checkpoint: tuple[Path, Any]) -> None:
-    path, hf = checkpoint
-    loaded = load(path, device="cpu", with_tokenizer=False)
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    """The tiny checkpoint with transformers' answers for it (the prompt's logits, 32 greedy
+    tokens), built once into the content-keyed cache of tests/converted.py."""
+    key = _digest("deepseek_v4-oracle", CONFIG, PROMPT, NEW_TOKENS, transformers.__version__,
+                  torch.__version__)
+
+    def make(tmp: Path) -> None:
+        _, hf = make_checkpoint(tmp)
+        np.save(tmp / "hf_logits.npy", _hf_logits(hf, PROMPT))
+        (tmp / "hf_greedy.json").write_text(json.dumps(hf_greedy(hf, PROMPT, NEW_TOKENS)))
+
+    return _cached("deepseek_v4-oracle", key, make)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint: Path) -> Any:
+    return load(checkpoint, device="cpu", with_tokenizer=False).model
+
+
+def test_config_and_prefill_logits_match_hf(checkpoint: Path) -> None:
+    loaded = load(checkpoint, device="cpu", with_tokenizer=False)
     cfg = loaded.config
     assert isinstance(cfg, deepseek_v4.Config) and cfg.family == "deepseek_v4"
     assert cfg.rope_dim == 16 and cfg.compress_rates[deepseek_v4.HCA] == 16
@@ -101,13 +112,14 @@ def test_config_and_prefill_logits_match_hf(checkpoint: tuple[Path, Any]) -> Non
     assert isinstance(kv, deepseek_v4.CompressedKV)
     n = len(PROMPT)
     ours = model(mx.array(PROMPT), Batch.build([(kv, 0, n)]), logit_rows=list(range(n)))
-    diff = np.abs(np.array(ours) - _hf_logits(hf, PROMPT)).max()
+    diff = np.abs(np.array(ours) - np.load(checkpoint / "hf_logits.npy")).max()
     assert diff <= 1e-3, f"max |logit diff| = {diff}"
 
 
-def test_greedy_decode_matches_hf_generate(checkpoint: tuple[Path, Any], model: Any) -> None:
-    assert greedy_tokens(model, PROMPT, NEW_TOKENS) == hf_greedy(checkpoint[1], PROMPT,
-                                                           NEW_TOKENS)
+def test_greedy_decode_matches_hf_generate(checkpoint: Path, model: Any) -> None:
+    want = json.loads((checkpoint / "hf_greedy.json").read_text())
+    assert len(want) == NEW_TOKENS
+    assert greedy_tokens(model, PROMPT, NEW_TOKENS) == want
 
 
 def test_mixed_decode_is_batch_invariant(model: Any) -> None:
