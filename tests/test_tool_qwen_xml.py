@@ -235,3 +235,40 @@ def test_forced_calls_stream_and_reassemble(srv: BackgroundServer) -> None:
         assert isinstance(args["query"], str) and len(args["query"]) <= 12
         assert type(args["limit"]) is int and 0 <= args["limit"] <= 99
         assert isinstance(args["exact"], bool)
+
+
+@pytest.fixture(scope="module")
+def thinking_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
+    """The tiny Qwen3 with Qwen3.5's template, whose prompt opens a <think> block."""
+    model = Path(tmp_path_factory.mktemp("qwen3.5")) / "m"
+    shutil.copytree(tiny_hf("qwen3"), model)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (TEMPLATES / "Qwen3.5-4B.jinja").read_text()
+    cfg_path.write_text(json.dumps(cfg))
+    server = BackgroundServer(create_app(EngineConfig(model=model, max_slots=2, max_queue=8),
+                                         keepalive_interval=0.2)).start()
+    yield server
+    server.stop()
+
+
+def test_forced_call_after_an_open_think_block(thinking_srv: BackgroundServer) -> None:
+    """Qwen3.5's prompt ends inside <think>: a forced call closes the block first, so the call
+    is the answer's (a tool call, no reasoning), streamed and not."""
+    client = openai.OpenAI(base_url=thinking_srv.url + "/v1", api_key="unused", max_retries=0)
+    body: dict[str, Any] = dict(
+        model="qwen3.5", messages=[{"role": "user", "content": "Search for mlx."}],
+        tools=E2E_TOOLS, temperature=0, max_tokens=64, tool_choice="required",
+        parallel_tool_calls=False)
+    r = client.chat.completions.create(**body)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls", message
+    assert not getattr(message, "reasoning_content", None)
+    ((call),) = message.tool_calls
+    reasoning, streamed = "", ""
+    for chunk in client.chat.completions.create(**body, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        reasoning += (getattr(delta, "reasoning_content", None) or "") if delta else ""
+        for tc in (delta.tool_calls or []) if delta else []:
+            streamed += tc.function.arguments or ""
+    assert not reasoning and json.loads(streamed) == json.loads(call.function.arguments)

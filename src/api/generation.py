@@ -43,6 +43,7 @@ from slotserve.api.reasoning import (
     ReasoningPiece,
     ReasoningSplitter,
     Thinking,
+    closed_first,
     prompt_opens_thinking,
     template_options,
 )
@@ -360,9 +361,12 @@ def chat_prompt(state: AppState, engine: Engine, messages: list[dict[str, Any]],
 
 
 async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, Any]] | None,
-                       choice: ToolChoice, parallel: bool) -> Grammar | None:
+                       choice: ToolChoice, parallel: bool,
+                       thinking_open: bool = False) -> Grammar | None:
     """The grammar that makes the tool choice hold: a forced choice allows only calls (of
-    the named tool), "none" forbids the call syntax; "auto" (or no tools) is free (None)."""
+    the named tool), "none" forbids the call syntax; "auto" (or no tools) is free (None).
+    `thinking_open`: the prompt ends inside a <think> block, which a forced reply closes
+    first."""
     if not tools or choice.mode == "auto":
         return None
     syntax = state.call_syntax
@@ -382,6 +386,8 @@ async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, An
         lark = no_call_grammar(syntax)
         if lark is None:
             return None
+    if thinking_open and choice.forced and syntax is not HARMONY:
+        lark = closed_first(lark, state.special_ids)
     cached = state.grammars.get(lark)
     if cached is not None:
         state.grammars.move_to_end(lark)
@@ -416,7 +422,9 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
                                       template_options(source, thinking))
     except ValueError as exc:  # TemplateError: the template rejected these messages
         raise bad_request(str(exc), "messages") from None
-    grammar = await tool_grammar(state, engine, tools, choice, parallel_calls)
+    thinking_open = state.template_thinks and prompt_opens_thinking(
+        engine.tokenizer.decode(ids[-8:]))
+    grammar = await tool_grammar(state, engine, tools, choice, parallel_calls, thinking_open)
     if grammar is not None:
         options = {**options, "response_format": grammar}
     options = await compile_grammar(engine, clamp_max_tokens(engine, ids, options))
@@ -434,7 +442,7 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
         parser = CallParser(state.call_syntax)
     splitter = None
     if state.template_thinks:  # the template may have opened the block in the prompt
-        splitter = ReasoningSplitter(prompt_opens_thinking(engine.tokenizer.decode(ids[-8:])))
+        splitter = ReasoningSplitter(thinking_open)
     return ChatRun(engine, session, stream, parser, ids, splitter)
 
 

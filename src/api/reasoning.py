@@ -39,6 +39,16 @@ def prompt_opens_thinking(prompt_tail: str) -> bool:
     return tail.endswith(OPEN)
 
 
+def closed_first(lark: str, specials: dict[str, int]) -> str:
+    """A forced call's grammar for a prompt that ends inside an open `<think>` block (Qwen3.5's
+    template opens one): the block is closed at once, then the calls, so that they are read as
+    the answer, not as reasoning (and a short max_tokens is not spent reasoning)."""
+    first, _, rest = lark.partition("\n")
+    assert first.startswith("start:"), first
+    close = f"<[{specials[CLOSE]}]>" if CLOSE in specials else '"</think>"'
+    return f'start: {close} "\\n\\n" calls\ncalls:{first[len("start:"):]}\n{rest}'
+
+
 def _held(buf: str, marker: str) -> int:
     for k in range(min(len(marker) - 1, len(buf)), 0, -1):
         if buf.endswith(marker[:k]):
