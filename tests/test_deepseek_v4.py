@@ -2,9 +2,10 @@
 
 Four layers: one sliding-only, two compressed sparse (CSA, m = 4, the indexer keeping 4 of
 the entries) and one heavily compressed (HCA, m = 16 here so that a 70-token prompt closes
-several of its windows); hash-routed MoE on the first layer, top-k on the others; four
-hyper-connection streams. The sliding window (8) is far shorter than the prompt, so the
-compressed entries carry the long-range context. Every parameter is drawn away from its
+several of its windows; the released rates, 4 and 128, in a test of their own);
+hash-routed MoE on the first layer, top-k on the others; four hyper-connection streams.
+The sliding window (8) is far shorter than the prompt, so the compressed entries carry the
+long-range context. Every parameter is drawn away from its
 init (sinks, position biases, correction biases, hyper-connection bases and scales, the
 hash table), so a skipped term diverges at once.
 """
@@ -124,3 +125,28 @@ def test_greedy_decode_matches_hf_generate(checkpoint: Path, model: Any) -> None
 
 def test_mixed_decode_is_batch_invariant(model: Any) -> None:
     assert_mixed_decode_matches_solo(model, PROMPT, [5, 77, 190])
+
+
+def test_released_compress_rates_match_hf() -> None:
+    """The released models' rates (CSA 4, HCA 128: one entry a page) over a 400-token prompt
+    (three HCA windows close), prefilled whole and in chunks of 77 (cut inside windows)."""
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    tokens = [int(t) for t in np.random.RandomState(9).randint(0, 320, 400)]
+    overrides = dict(compress_rates=rates, sliding_window=32, index_topk=16)
+    key = _digest("deepseek_v4-rates", CONFIG, overrides, tokens, transformers.__version__,
+                  torch.__version__)
+
+    def make(tmp: Path) -> None:
+        _, hf = make_checkpoint(tmp, **overrides)
+        np.save(tmp / "hf_logits.npy", _hf_logits(hf, tokens))
+
+    path = _cached("deepseek_v4-rates", key, make)
+    model = load(path, device="cpu", with_tokenizer=False).model
+    want = np.load(path / "hf_logits.npy")
+    for chunk in (len(tokens), 77):
+        kv, out = model.new_kv(), []
+        for s in range(0, len(tokens), chunk):
+            n = min(chunk, len(tokens) - s)
+            out.append(np.array(model(mx.array(tokens[s : s + n]), Batch.build([(kv, s, n)]),
+                                      list(range(n)))))
+        assert np.abs(np.concatenate(out) - want).max() <= 1e-3, chunk
