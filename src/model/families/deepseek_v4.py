@@ -34,8 +34,9 @@ What a sequence keeps (its `CompressedKV`), by how it grows:
   full page depends on the tokens up to its end alone and the prefix cache shares it like
   any K/V page. A window's entry is stored in the pool rows of the window's own positions
   (half in the keys array, half in the values array: `EntryLayout`), so a page costs
-  exactly its entries, 1/m of an uncompressed K/V cache per layer, and copying a page's
-  first positions copies the entries of the windows closed there.
+  exactly its entries (per layer and position: head_dim / 128 values for HCA,
+  (head_dim + index_head_dim) / 4 for CSA, against head_dim uncompressed), and copying a
+  page's first positions copies the entries of the windows closed there.
 - **A fixed per-slot state** (`LayerState`, a floor per busy slot in the KV budget): every
   layer's last `sliding_window - 1` K=V rows, each compressor's open window (the positions
   since the last close, at most m - 1) and, for CSA, the previous window's first
@@ -46,9 +47,10 @@ What a sequence keeps (its `CompressedKV`), by how it grows:
 Every position is computed by the same operations in any batch, chunk or resume: windows
 are pooled per window, attention reads fixed-shape blocks (the W window keys, entries in
 blocks of ENTRY_BLOCK at fixed offsets, summed in order: a masked block adds exact zeros)
-and the indexer's choice is a stable sort of scores that depend on the entry alone. So
-every state is canonical (a decode row's bits are a prefill's) and a snapshot may be taken
-at any page boundary.
+and the indexer's choice is a stable sort of scores that depend on the entry alone (equal
+scores go to the earlier entry; transformers' torch.topk may pick another). So every state
+is canonical (a decode row's bits are a prefill's, checked on the CPU; on the GPU the
+batched matmuls are MLX's) and a snapshot may be taken at any page boundary.
 """
 
 from __future__ import annotations
