@@ -131,10 +131,14 @@ def test_bf16_follows_transformers(tmp_path: Path) -> None:
     from test_deepseek_v4 import PROMPT, make_checkpoint
 
     path, hf = make_checkpoint(tmp_path)
-    model = load(path, device="gpu", with_tokenizer=False).model
     n = len(PROMPT)
-    ours = np.array(model(mx.array(PROMPT), Batch.build([(model.new_kv(), 0, n)]),
-                          list(range(n))))
+    before = mx.default_device()
+    try:
+        model = load(path, device="gpu", with_tokenizer=False, probe_rows=None).model
+        out = model(mx.array(PROMPT), Batch.build([(model.new_kv(), 0, n)]), list(range(n)))
+        ours = np.array(out.astype(mx.float32))
+    finally:
+        mx.set_default_device(before)
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
     scale = np.abs(ref).max()
