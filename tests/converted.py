@@ -228,16 +228,17 @@ def _write_tokenizer(out: Path, name: str) -> int:
 # --- the converters -----------------------------------------------------------------------
 
 
-def to_gguf(hf_dir: Path, outtype: str = "f16") -> Path:
-    """hf_dir converted by llama.cpp's convert_hf_to_gguf.py (its bundled gguf-py)."""
+def to_gguf(hf_dir: Path, outtype: str = "f16", extra: tuple[str, ...] = ()) -> Path:
+    """hf_dir converted by llama.cpp's convert_hf_to_gguf.py (its bundled gguf-py);
+    `extra`: more converter flags (e.g. ("--no-mtp",) for a Qwen3.5 without its MTP head)."""
     if outtype not in GGUF_OUTTYPES:
         raise ValueError(f"outtype must be one of {GGUF_OUTTYPES}, not {outtype!r}")
     tree = llama_cpp_tree()
-    key = _digest(Path(hf_dir), outtype, tree.parent.name)
+    key = _digest(Path(hf_dir), outtype, tree.parent.name, *extra)
 
     def make(out: Path) -> None:
         cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir),
-               "--outfile", str(out / f"model-{outtype}.gguf"), "--outtype", outtype]
+               "--outfile", str(out / f"model-{outtype}.gguf"), "--outtype", outtype, *extra]
         _run(cmd, out / "convert.log")
 
     return _cached("gguf", key, make, f"model-{outtype}.gguf")

@@ -297,10 +297,13 @@ class GatedDeltaNet(Layer):
 
     def __init__(self, w: dict[str, Tensor], p: str, *, index: int, key_heads: int,
                  value_heads: int, dk: int, dv: int, eps: float, dtype: mx.Dtype,
-                 quant: bool) -> None:
+                 quant: bool, tiled_value_heads: bool = False) -> None:
         """Tensors under prefix p in the layout of transformers' Qwen3_5GatedDeltaNet;
-        index: this layer's place among the model's DeltaNet layers (its state)."""
+        index: this layer's place among the model's DeltaNet layers (its state);
+        tiled_value_heads: the value heads in llama.cpp's order (value head j served by key
+        head j % key_heads; its Qwen3.5 GGUF files reorder them so), not HF's (j // r)."""
         self.index, self.hk, self.hv, self.dk, self.dv = index, key_heads, value_heads, dk, dv
+        self.tiled = tiled_value_heads
         self.key_dim, self.value_dim = key_heads * dk, value_heads * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.in_proj = Linear.fused(
@@ -359,7 +362,10 @@ class GatedDeltaNet(Layer):
         q, k = l2norm(q) * (self.dk ** -0.5), l2norm(k)
         if self.hv != self.hk:
             rep = self.hv // self.hk
-            q, k = mx.repeat(q, rep, axis=1), mx.repeat(k, rep, axis=1)
+            if self.tiled:
+                q, k = mx.tile(q, (1, rep, 1)), mx.tile(k, (1, rep, 1))
+            else:
+                q, k = mx.repeat(q, rep, axis=1), mx.repeat(k, rep, axis=1)
         beta = mx.sigmoid(b.astype(mx.float32))
         g = self.neg_a * softplus(a.astype(mx.float32) + self.dt_bias)
         return q, k, v, g, beta

@@ -80,6 +80,9 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
     top_names = {**GGUF_TOP_NAMES, **family.gguf_top_names}
     heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
     out: dict[str, Tensor] = {}
+    # a block's tensor named without a suffix (Qwen3.5's blk.N.ssm_a) is its weight
+    raw = {(k + ".weight" if re.fullmatch(r"blk\.\d+\.\w+", k) else k): v
+           for k, v in raw.items()}
     bases = sorted({k.rsplit(".", 1)[0] for k in raw})
     # dense tensors beside a weight under another suffix (Gemma 4's router and expert
     # `.scale`s): kept under the HF name plus that suffix, for the family to place
@@ -90,11 +93,13 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
             extras.setdefault(base, {})[suffix] = value
     for base in bases:
         w = raw.get(base + ".weight")
-        if w is None:
+        if w is None and base + ".bias" not in raw:
             raise UnsupportedModelError(f"{path}: tensor {base} has no weight")
         scales = raw.get(base + ".scales")
-        tensor: Tensor | Mxfp4Weight
-        if scales is not None and scales.dtype == mx.uint8:  # E8M0 scales: MXFP4 experts
+        tensor: Tensor | Mxfp4Weight | None
+        if w is None:  # a bias alone (Qwen3.5's blk.N.ssm_dt.bias)
+            tensor = None
+        elif scales is not None and scales.dtype == mx.uint8:  # E8M0 scales: MXFP4 experts
             tensor = Mxfp4Weight(w, scales)
         elif scales is not None:
             bits = w.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE_GGUF)
@@ -110,7 +115,7 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
             if part is None:
                 raise UnsupportedModelError(f"{path}: unknown GGUF tensor {base!r}")
             name = f"model.layers.{m.group(1)}.{part}"
-            if family.gguf_interleaved_qk and part in heads:
+            if family.gguf_interleaved_qk and part in heads and tensor is not None:
                 tensor = _unpermute_rows(tensor, heads[part])
                 bias = None if bias is None else _unpermute_rows(bias, heads[part])
         elif base in top_names:
@@ -119,7 +124,8 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
             raise UnsupportedModelError(f"{path}: unknown GGUF tensor {base!r}")
         if family.gguf_norm_offset and name.endswith("norm") and isinstance(tensor, mx.array):
             tensor = tensor - family.gguf_norm_offset
-        out[name + ".weight"] = tensor
+        if tensor is not None:
+            out[name + ".weight"] = tensor
         if bias is not None:
             out[name + ".bias"] = bias
         for suffix, value in extras.get(base, {}).items():

@@ -52,6 +52,8 @@ class Config(ModelConfig):
     linear_value_heads: int = 32
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
+    # the DeltaNet value heads in llama.cpp's tiled order (its Qwen3.5 GGUF files)
+    value_heads_tiled: bool = False
 
     @classmethod
     def hf_fields(cls, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -71,9 +73,28 @@ class Config(ModelConfig):
 
     @classmethod
     def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
-        raise UnsupportedModelError(
-            f"GGUF files of {common['family']} are not supported yet; load the Hugging Face "
-            "safetensors directory")
+        """llama.cpp's keys (convert_hf_to_gguf.py's Qwen3NextModel): the DeltaNet's sizes
+        as ssm.*, the linear layers as `attention.recurrent_layers`; its Qwen3.5 files
+        (not Qwen3-Next's) reorder the value heads to tiled order when there are more value
+        than key heads (`value_heads_tiled`)."""
+        n = common["num_layers"]
+        recurrent = get("attention.recurrent_layers")
+        if recurrent is not None and len(recurrent) >= n:
+            types = [LINEAR if bool(r) else FULL for r in list(recurrent)[:n]]
+        else:
+            types = layer_pattern(n, int(get("full_attention_interval", 4)))
+        key_heads, value_heads = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
+        rotary = int(get("rope.dimension_count", common["head_dim"] // 4))
+        return dict(
+            layer_types=types,
+            partial_rotary_factor=rotary / common["head_dim"],
+            linear_conv_kernel=int(get("ssm.conv_kernel", 4)),
+            linear_key_heads=key_heads,
+            linear_value_heads=value_heads,
+            linear_key_head_dim=int(get("ssm.state_size")),
+            linear_value_head_dim=int(get("ssm.inner_size")) // value_heads,
+            value_heads_tiled=common["family"] != "qwen3_next" and key_heads != value_heads,
+        )
 
     def hf_keys(self) -> dict[str, Any]:
         return dict(layer_types=self.layer_types,
@@ -183,7 +204,7 @@ def mixer(cfg: Config, w: dict[str, Tensor], i: int, rope: layers.Rope, dtype: m
         w, f"{p}.linear_attn", index=cfg.linear_layers().index(i),
         key_heads=cfg.linear_key_heads, value_heads=cfg.linear_value_heads,
         dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps,
-        dtype=dtype, quant=quant)
+        dtype=dtype, quant=quant, tiled_value_heads=cfg.value_heads_tiled)
 
 
 def dense_mlp(w: dict[str, Tensor], p: str, dtype: mx.Dtype, quant: bool) -> layers.GatedMLP:
@@ -238,14 +259,50 @@ SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
                  "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
 
 
+# llama.cpp's names of the hybrid layers' tensors (its convert_hf_to_gguf.py). Three differ
+# from transformers' beyond the name, put right by `from_gguf`: ssm_a holds -exp(A_log),
+# ssm_dt only a bias (dt_bias), and ssm_norm, the DeltaNet's gated norm, is read under
+# another name because it alone is stored without the +1 of the zero-centered norms
+# (Family.gguf_norm_offset takes the 1 back from every name ending in "norm").
+GGUF_LAYER_NAMES = {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_ba": "linear_attn.in_proj_ba",  # Qwen3-Next's b and a, grouped per key head
+    "ssm_a": "linear_attn.ssm_a",
+    "ssm_dt": "linear_attn.dt",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.gated_norm_",
+    "ssm_out": "linear_attn.out_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+}
+
+
+def from_gguf(weights: dict[str, Tensor]) -> None:
+    """A GGUF file's DeltaNet tensors under transformers' names and values."""
+    for name in [n for n in weights if n.endswith(".linear_attn.ssm_a.weight")]:
+        neg_a = weights.pop(name)
+        assert isinstance(neg_a, mx.array)
+        weights[name.replace("ssm_a.weight", "A_log")] = mx.log(-neg_a.astype(mx.float32))
+    for name in [n for n in weights if n.endswith(".linear_attn.dt.bias")]:
+        weights[name.replace("dt.bias", "dt_bias")] = weights.pop(name)
+    for name in [n for n in weights if n.endswith(".linear_attn.gated_norm_.weight")]:
+        weights[name.replace("gated_norm_", "norm")] = weights.pop(name)
+
+
 def drop_unused(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
     """Drop what the text decoder never reads: the multi-token-prediction head and the
     vision tower of the ForConditionalGeneration layout (transformers ignores them too).
     A checkpoint written by mlx-lm (its conv weights [D, K, 1], MLX's conv layout) holds its
-    zero-centered norms as 1 + w: they are brought back to transformers' w."""
+    zero-centered norms as 1 + w: they are brought back to transformers' w. A GGUF file's
+    tensors get transformers' names (`from_gguf`)."""
     for name in [n for n in weights
                  if n.startswith(("mtp.", "model.visual.", "visual.", "model.mtp."))]:
         del weights[name]
+    from_gguf(weights)
     convs = [t for n, t in weights.items() if n.endswith("conv1d.weight")]
     if convs and convs[0].shape[-1] == 1 and convs[0].shape[1] > 1:
         for name in [n for n in weights if n.endswith(SHIFTED_NORMS)]:
@@ -261,5 +318,7 @@ FAMILY = Family(
     hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     hf_model_type="qwen3_5",
     gguf_architecture="qwen35",
+    gguf_layer_names=GGUF_LAYER_NAMES,
+    gguf_norm_offset=1.0,
     sanitize=drop_unused,
 )
