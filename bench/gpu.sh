@@ -38,6 +38,10 @@
 #          Its parts are stages too: peer_gguf peer_llamacpp peer_slotserve peer_table (results
 #          kept under $PEER_DIR/results, so parts may run in different calls of one machine)
 #   moe    qwen3-30b-a3b, MLX 4-bit: synth + a shorter gpu_bench sweep
+#   hybrid_agents  qwen3.5-35b-a3b shape (Gated DeltaNet hybrid MoE), MLX 4-bit, random weights
+#          ($HYBRID_LAYERS layers, default 8: the real widths, fewer layers), served; the
+#          four-agent gate (loadtests/agents_gate.py) at ~8k-token histories: reuse per
+#          follow-up turn and its TTFT against the cold turn's (not in the default list)
 #   dsv4_synth  deepseek-v4-flash-10l (DeepSeek-V4-Flash widths, 10 of 43 layers), MLX 4-bit,
 #          under $SYNTH_DIR (~37 GB; one device call of its own)
 #   dsv4_long  bench/deepseek_v4_long.py on it: 4 slots x 16k / 64k / 128k-token prompts under
@@ -344,6 +348,16 @@ if want moe; then
   timeout 240 $PY bench/gpu_bench.py --model "$MOE" --streams 1,8,32,64 \
     --prompt-tokens 128 --new-tokens 48 --ttft-tokens 1024 --prefill-budget 1024 \
     --out "$OUT/bench_qwen3-30b-a3b.json" | grep -v '^ \|^[{}]$'
+fi
+if want hybrid_agents; then
+  HYBRID=$SYNTH_DIR/qwen3.5-35b-a3b-mlx4-${HYBRID_LAYERS:-8}l
+  stage "synth qwen3.5-35b-a3b mlx4, ${HYBRID_LAYERS:-8} layers"
+  [ -f "$HYBRID/config.json" ] || timeout 300 $PY -m slotserve.tools.synth qwen3.5-35b-a3b \
+    "$HYBRID" --format mlx4 --layers "${HYBRID_LAYERS:-8}"
+  stage "hybrid agents: 4 agents, ~8k-token histories (agents_gate.py)"
+  timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agents_gate.py --model "$HYBRID" --agents 4 \
+    --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --out "$OUT/hybrid_agents" \
+    | tail -24
 fi
 if want dsv4_synth; then
   stage "synth deepseek-v4-flash-10l mlx4 (~37 GB)"

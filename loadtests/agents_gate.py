@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -105,6 +106,9 @@ class Turn:
     cached_tokens: int
     calls: list[tuple[str, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    # the previous turn's prompt and reply tokens: what the cache could hold of this prompt
+    seen: int = 0
 
     @property
     def reuse(self) -> float:
@@ -141,7 +145,7 @@ async def agent(client: openai.AsyncOpenAI, i: int, args: argparse.Namespace) ->
         ttft, calls, usage = await streamed(client, messages=msgs, tool_choice="required",
                                             **base)
         t = Turn(i, name, ttft, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens,
-                 calls)
+                 calls, completion_tokens=usage.completion_tokens)
         if len(calls) != 1 or not valid_arguments(*calls[0]):
             t.problems.append(f"not one schema-valid call: {calls}")
         if name == "a2" and t.reuse < args.min_reuse:
@@ -154,7 +158,9 @@ async def agent(client: openai.AsyncOpenAI, i: int, args: argparse.Namespace) ->
         {"role": "tool", "tool_call_id": "call_a", "content": SOURCE * args.result_repeat}]
     free = {**base, "max_tokens": args.free_max_tokens or args.max_tokens}
     ttft, calls, usage = await streamed(client, messages=msgs, tool_choice="auto", **free)
-    t = Turn(i, "b", ttft, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, calls)
+    t = Turn(i, "b", ttft, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, calls,
+             completion_tokens=usage.completion_tokens,
+             seen=turns[-1].prompt_tokens + turns[-1].completion_tokens)
     for c in calls:
         try:
             json.loads(c[1])
@@ -184,7 +190,9 @@ async def agent(client: openai.AsyncOpenAI, i: int, args: argparse.Namespace) ->
     ttft, calls, usage = await streamed(
         client, messages=msgs, tool_choice={"type": "function",
                                             "function": {"name": "write_file"}}, **base)
-    t = Turn(i, "c", ttft, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, calls)
+    t = Turn(i, "c", ttft, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, calls,
+             completion_tokens=usage.completion_tokens,
+             seen=whole.usage.prompt_tokens + whole.usage.completion_tokens)
     if len(calls) != 1 or calls[0][0] != "write_file" or not valid_arguments(*calls[0]):
         t.problems.append(f"not one schema-valid write_file call: {calls}")
     if t.reuse < args.min_reuse:
@@ -203,6 +211,29 @@ async def gate(url: str, args: argparse.Namespace) -> list[Turn]:
     finally:
         await client.close()
     return [t for turns in results for t in turns]
+
+
+def summarize(turns: list[Turn]) -> dict[str, Any]:
+    """Medians over the agents: the cold turn's TTFT, and per follow-up turn (b: after the
+    tool result, c: after b's reply) the prompt share reused, the share of the tokens the
+    cache could hold (the previous turn's prompt and reply: its length is the next prompt's
+    common prefix with it, `seen`) and TTFT against the cold one."""
+    by: dict[str, list[Turn]] = {}
+    for t in turns:
+        by.setdefault(t.turn, []).append(t)
+    cold = statistics.median(t.ttft_ms for t in by.get("a", [])) if "a" in by else 0.0
+    out: dict[str, Any] = {"cold_ttft_ms": cold, "follow_ups": {}}
+    for name in ("b", "c"):
+        ts = by.get(name, [])
+        if not ts:
+            continue
+        ttft = statistics.median(t.ttft_ms for t in ts)
+        out["follow_ups"][name] = {
+            "reuse": statistics.median(t.reuse for t in ts),
+            "reuse_of_seen": statistics.median(
+                t.cached_tokens / t.seen if t.seen else 0.0 for t in ts),
+            "ttft_ms": ttft, "ttft_vs_cold": ttft / cold if cold else 0.0}
+    return out
 
 
 def start_server(model: str | None, max_slots: int, out: Path,
@@ -274,8 +305,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mark} agent {t.agent} turn {t.turn:2}  ttft {t.ttft_ms:8.0f} ms  prompt "
               f"{t.prompt_tokens:6}  reused {t.reuse:6.1%}  {'; '.join(t.problems)}")
     passed = all(not t.problems for t in turns)
+    summary = summarize(turns)
+    for name, s in summary["follow_ups"].items():
+        print(f"turn {name}: reused {s['reuse']:.1%} of the prompt ({s['reuse_of_seen']:.1%} "
+              f"of what the cache could hold), TTFT {s['ttft_ms']:.0f} ms = "
+              f"{s['ttft_vs_cold']:.3f}x the cold turn a's {summary['cold_ttft_ms']:.0f} ms "
+              "(medians over the agents)")
     (args.out / "agents_gate.json").write_text(json.dumps(
         {"passed": passed, "settings": {k: str(v) for k, v in vars(args).items()},
+         "summary": summary,
          "turns": [{**asdict(t), "reuse": t.reuse} for t in turns]}, indent=2))
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1
