@@ -360,3 +360,29 @@ def test_gemma3_gguf_fields_follow_llama_cpp() -> None:
     got = Config.gguf_fields(lambda k, d=None: keys.get(k, d), common)
     assert got["query_pre_attn_scalar"] == 64.0 and got["final_logit_softcapping"] == 30.0
     assert got["layer_types"][:2] == [SLIDING, FULL] and got["rope_local_theta"] == 5e3
+
+
+def test_gpt_oss_gguf_fields_follow_llama_cpp() -> None:
+    """gpt-oss's layer pattern as llama.cpp reads it (openai-moe.cpp): even layers slide by
+    default, else `attention.sliding_window_pattern` (a per-layer list, or n: every n-th
+    layer full); YaRN untruncated; a sliding layers' own RoPE base is refused."""
+    from slotserve.model.families.gpt_oss import FULL, Config
+    from slotserve.model.families.llama import SLIDING
+
+    def fields(**extra: Any) -> dict[str, Any]:
+        keys = {"expert_count": 4, "expert_used_count": 2, "attention.sliding_window": 128,
+                **{k.replace("__", "."): v for k, v in extra.items()}}
+        common = dict(num_layers=4, rope_theta=150000.0,
+                      rope_scaling={"rope_type": "yarn", "factor": 32.0})
+        got = Config.gguf_fields(lambda k, d=None: keys.get(k, d), common)
+        assert common["rope_scaling"]["truncate"] is False
+        return got
+
+    assert fields()["layer_types"] == [SLIDING, FULL] * 2
+    assert fields(attention__sliding_window_pattern=3)["layer_types"] == [SLIDING, SLIDING,
+                                                                           FULL, SLIDING]
+    per_layer = mx.array([False, True, True, False])
+    assert fields(attention__sliding_window_pattern=per_layer)["layer_types"] == [
+        FULL, SLIDING, SLIDING, FULL]
+    with pytest.raises(UnsupportedModelError, match="rope.freq_base_swa 10000.0 differs"):
+        fields(rope__freq_base_swa=10000.0)

@@ -31,6 +31,7 @@ import mlx.core as mx
 import slotserve.model.families.llama as llama
 from slotserve.kernels.quantized import Mxfp4Weight, QuantizedWeight
 from slotserve.model import decoder, layers, moe
+from slotserve.model.errors import UnsupportedModelError
 from slotserve.model.family import Family
 from slotserve.model.weights import Tensor
 
@@ -56,21 +57,33 @@ class Config(llama.Config):
     @classmethod
     def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
         """As llama.cpp's converter writes gpt-oss (conversion/gpt_oss.py) and its runtime
-        reads it: experts from `expert_*` keys, the window from `attention.sliding_window`
-        on the even layers (llama.cpp's fixed pattern for the architecture, as gpt-oss's
-        layer_types alternate), YaRN without truncation of its correction range (the
-        released config's `truncate: false`; the file has no key for it: common's
+        reads it (src/models/openai-moe.cpp): experts from `expert_*` keys, the window
+        from `attention.sliding_window` on the layers `attention.sliding_window_pattern`
+        marks (a per-layer list, or n: every n-th layer full), by default the even ones (as
+        gpt-oss's layer_types alternate), YaRN without truncation of its correction range
+        (the released config's `truncate: false`; the file has no key for it: common's
         rope_scaling is completed in place). The clamp and alpha are the architecture's
-        constants in llama.cpp too."""
+        constants in llama.cpp too; a sliding layers' own RoPE base is refused."""
         rope = common["rope_scaling"]
         if rope is not None and rope.get("rope_type") == "yarn":
             rope.setdefault("truncate", False)
+        local_base = get("rope.freq_base_swa")
+        if local_base is not None and float(local_base) != common["rope_theta"]:
+            raise UnsupportedModelError(
+                f"gpt-oss GGUF: rope.freq_base_swa {float(local_base)} differs from "
+                f"rope.freq_base {common['rope_theta']}; supported: one RoPE base")
         window = get("attention.sliding_window")
         n = common["num_layers"]
+        pattern = get("attention.sliding_window_pattern", 2)
+        if isinstance(pattern, mx.array):
+            sliding = [bool(x) for x in pattern.tolist()]
+        else:  # llama.cpp's set_swa_pattern: the last layer of every n is full
+            sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1
+                       for i in range(n)]
         return dict(attention_bias=True, num_experts=int(get("expert_count")),
                     experts_per_token=int(get("expert_used_count")),
                     sliding_window=int(window) if window else None,
-                    layer_types=[llama.SLIDING if i % 2 == 0 else FULL for i in range(n)]
+                    layer_types=[llama.SLIDING if x else FULL for x in sliding]
                     if window else [])
 
 

@@ -67,7 +67,8 @@ class Config(llama.Config):
         of each head as `rope.dimension_count`, LongRoPE's original context as
         `rope.scaling.original_context_length` (its factors are tensors, read into
         rope_scaling by config.gguf_rope_scaling), the window on every layer as
-        `attention.sliding_window` (0: none, Phi-4's)."""
+        `attention.sliding_window` (0: none, Phi-4's). The window applies as in
+        transformers (llama.cpp currently runs Phi-3 without it, src/models/phi3.cpp)."""
         head_dim = common["head_dim"]
         rotary = int(get("rope.dimension_count") or head_dim)
         orig = get("rope.scaling.original_context_length")
