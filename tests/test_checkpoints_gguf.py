@@ -267,6 +267,15 @@ def test_unsupported_rope_scaling_is_refused() -> None:
     assert gguf_rope_scaling(lambda k, d=None: {"rope.scaling.type": "linear",
                                                 "rope.scaling.factor": 2.0}.get(k, d),
                              None, "m.gguf") == {"rope_type": "linear", "factor": 2.0}
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+            "rope.scaling.original_context_length": 32768,
+            "rope.scaling.yarn_attn_factor": 0.9}
+    assert gguf_rope_scaling(lambda k, d=None: yarn.get(k, d), None, "m.gguf") == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.9}
+    yarn["rope.scaling.yarn_log_multiplier"] = 0.1  # DeepSeek's mscale_all_dim
+    with pytest.raises(UnsupportedModelError, match="yarn_log_multiplier 0.1"):
+        gguf_rope_scaling(lambda k, d=None: yarn.get(k, d), None, "m.gguf")
 
 
 # --- every type, tensor by tensor, against the gguf package's own dequantization -----------

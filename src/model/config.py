@@ -136,6 +136,13 @@ def gguf_rope_scaling(get: Callable[..., Any], rope_freqs: Any, source: str,
                     int(get("rope.scaling.original_context_length")),
                 "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
                 "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
+        if get("rope.scaling.yarn_attn_factor") is not None:  # HF's attention_factor
+            rope["attention_factor"] = float(get("rope.scaling.yarn_attn_factor"))
+        ext, log_mul = get("rope.scaling.yarn_ext_factor"), get("rope.scaling.yarn_log_multiplier")
+        if (ext is not None and float(ext) != 1.0) or log_mul is not None:
+            raise UnsupportedModelError(
+                f"{source}: YaRN with yarn_ext_factor {ext} / yarn_log_multiplier {log_mul}; "
+                "supported: HF's YaRN (factor, original context, betas, attention factor)")
     elif kind != "none":
         raise UnsupportedModelError(
             f"{source}: unsupported GGUF rope scaling {kind!r}; supported: none, linear, "
