@@ -317,6 +317,8 @@ def dequantized_hf(hf_dir: Path, gguf_file: Path) -> Path:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
         cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+        if cfg.model_type == "gemma3":  # Gemma3ForConditionalGeneration: the converter writes
+            cfg = cfg.text_config  # its text part alone, the reference is that part's model
         model = transformers.AutoModelForCausalLM.from_config(cfg)
         if cfg.model_type == "gpt_oss":
             tensors = _gpt_oss_tensors(gguf_file)

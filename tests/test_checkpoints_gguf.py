@@ -61,6 +61,18 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # pattern), query scale 1/sqrt(head_dim) (it writes no scalar either), a logit softcap
     "gemma3": ("gemma3_text", {"num_hidden_layers": 6, "sliding_window": 16,
                                "query_pre_attn_scalar": 64, "final_logit_softcapping": 30.0}),
+    # Gemma3ForConditionalGeneration (Gemma 3 4B-27B's layout; the converter writes its text
+    # part): llama.cpp's 5:1 pattern, the 4B's linear RoPE scaling of the global layers (the
+    # sliding ones unscaled), a tiny vision tower the file leaves out
+    "gemma3-cg": ("gemma3", {
+        "text_config": {**K_QUANT_SHAPE, "num_hidden_layers": 6, "sliding_window": 16,
+                        "query_pre_attn_scalar": 64, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "vocab_size": 49152,
+                        "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+        "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+                          "model_type": "siglip_vision_model"},
+        "mm_tokens_per_image": 4}),
     # fused qkv / gate_up, LongRoPE on 0.75 of each head (an original context past these
     # positions: the short factors, the attention factor), a window on every layer, untied
     "phi3": ("phi3", {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 128,
@@ -91,7 +103,8 @@ FORMATS = ("f16", "q8_0", "Q4_K_M")
 # 151,936-token vocabulary makes each of its runs slow, and its quantized files would test
 # what llama's do (its biases stay F32 in every format)
 CASE_FORMATS = {"qwen3_moe": ("f16", "q8_0", "MXFP4_MOE"), "qwen2": ("f16",),
-                "gpt_oss": ("f16", "MXFP4_MOE", "hf-mxfp4"), "mistral": ("f16",)}
+                "gpt_oss": ("f16", "MXFP4_MOE", "hf-mxfp4"), "mistral": ("f16",),
+                "gemma3-cg": ("f16", "Q4_K_M")}
 RUNS = [(c, f) for c in CASES for f in CASE_FORMATS.get(c, FORMATS)]
 # hf-mxfp4: the released files' path, the HF checkpoint with MXFP4 experts through the
 # converter (which repacks the blocks as GGML MXFP4), the rest f16
@@ -104,7 +117,8 @@ NEW = 64
 
 def gguf_file(case: str, fmt: str) -> tuple[Path, Path]:
     family, overrides = CASES[case]
-    hf_dir = tiny_hf(family, {**K_QUANT_SHAPE, **overrides}, seed=CASE_SEED.get(case, 0),
+    shape = {} if "text_config" in overrides else K_QUANT_SHAPE  # (nested: its own)
+    hf_dir = tiny_hf(family, {**shape, **overrides}, seed=CASE_SEED.get(case, 0),
                      row_spread=1.0, tokenizer=CASE_TOKENIZER.get(case, "smollm2"))
     if fmt in ("f16", "bf16", "q8_0"):
         return hf_dir, to_gguf(hf_dir, fmt)
