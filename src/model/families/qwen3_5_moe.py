@@ -9,6 +9,7 @@ the step) plus sigmoid(shared_expert_gate(x)) * shared_expert(x).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,16 @@ class Config(qwen3_5.Config):
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+        )
+
+    @classmethod
+    def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+        return dict(
+            **super().gguf_fields(get, common),
+            num_experts=int(get("expert_count", 0)),
+            experts_per_token=int(get("expert_used_count", 0)),
+            moe_intermediate_size=int(get("expert_feed_forward_length", 0)),
+            shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)),
         )
 
     def hf_keys(self) -> dict[str, Any]:
@@ -103,6 +114,20 @@ class Model(qwen3_5.Model):
     block = staticmethod(block)  # type: ignore[assignment]
 
 
+# llama.cpp's names: qwen3_5's, the experts as 3-D tensors [experts, out, in], the shared
+# expert and its gate
+GGUF_LAYER_NAMES = {
+    **qwen3_5.GGUF_LAYER_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+
 FAMILY = Family(
     name="qwen3_5_moe",
     config=Config,
@@ -110,5 +135,7 @@ FAMILY = Family(
     hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     hf_model_type="qwen3_5_moe",
     gguf_architecture="qwen35moe",
+    gguf_layer_names=GGUF_LAYER_NAMES,
+    gguf_norm_offset=1.0,
     sanitize=sanitize,
 )

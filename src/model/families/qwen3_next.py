@@ -3,7 +3,8 @@ in-projections stored grouped by key head.
 
 transformers' Qwen3NextGatedDeltaNet projects with `in_proj_qkvz` and `in_proj_ba`, whose
 rows run per key head: that head's q, k, then the v and z of the value heads it serves
-(`fix_query_key_value_ordering`). Reading a checkpoint reorders those rows into Qwen3.5's
+(`fix_query_key_value_ordering`; llama.cpp's GGUF keeps only in_proj_ba so, as ssm_ba: its
+converter writes q/k/v and z apart). Reading a checkpoint reorders those rows into Qwen3.5's
 separate `in_proj_qkv` (all q heads, all k heads, all v heads: the conv's channel order in
 both), `in_proj_z`, `in_proj_b` and `in_proj_a`; everything else is qwen3_5_moe's (layers
 outside `mlp_only_layers` and on `decoder_sparse_step` are sparse, the rest a dense MLP).
@@ -39,12 +40,14 @@ def ungroup_projections(weights: dict[str, Tensor], cfg: ModelConfig) -> None:
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     for i in cfg.linear_layers():
         p = f"model.layers.{i}.linear_attn"
-        if f"{p}.in_proj_qkvz.weight" not in weights:
+        if f"{p}.in_proj_qkvz.weight" in weights:  # (llama.cpp's GGUF has them apart)
+            qkvz = weights.pop(f"{p}.in_proj_qkvz.weight")
+            q, k, v, z = grouped_rows(hk, [dk, dk, r * dv, r * dv])
+            weights[f"{p}.in_proj_qkv.weight"] = qwen3_5.take_rows(
+                qkvz, mx.concatenate([q, k, v]))
+            weights[f"{p}.in_proj_z.weight"] = qwen3_5.take_rows(qkvz, z)
+        if f"{p}.in_proj_ba.weight" not in weights:
             continue
-        qkvz = weights.pop(f"{p}.in_proj_qkvz.weight")
-        q, k, v, z = grouped_rows(hk, [dk, dk, r * dv, r * dv])
-        weights[f"{p}.in_proj_qkv.weight"] = qwen3_5.take_rows(qkvz, mx.concatenate([q, k, v]))
-        weights[f"{p}.in_proj_z.weight"] = qwen3_5.take_rows(qkvz, z)
         ba = weights.pop(f"{p}.in_proj_ba.weight")
         b, a = grouped_rows(hk, [r, r])
         weights[f"{p}.in_proj_b.weight"] = qwen3_5.take_rows(ba, b)
@@ -58,5 +61,7 @@ FAMILY = Family(
     hf_architectures=("Qwen3NextForCausalLM",),
     hf_model_type="qwen3_next",
     gguf_architecture="qwen3next",
+    gguf_layer_names=qwen3_5_moe.GGUF_LAYER_NAMES,  # (its ssm_ba: b and a per key head)
+    gguf_norm_offset=1.0,
     sanitize=ungroup_projections,
 )
