@@ -111,7 +111,9 @@ class Batcher(Actor[BatcherMessage]):
                 planned.append((offer.slot, _feed(offer.work, take)))
         for offer in background:  # settle passes: what the prompts left of the budget
             w = offer.work
-            take = max(min(len(w.tokens), budget), 0)
+            # beside other rows, one aligned chunk a tick (their step stays short)
+            take = max(min(len(w.tokens), budget if not planned else min(budget, self.align)),
+                       0)
             whole = take == len(w.tokens) or (w.start + take) // self.align * self.align \
                 > w.start  # (an aligned chunk fits in it)
             if planned and not whole:
