@@ -1,7 +1,8 @@
 """How much to think: OpenAI's `reasoning_effort` (chat) and `reasoning.effort` (Responses),
 Anthropic's `thinking`, read from each body and passed to the chat template's own switch
 (gpt-oss's `reasoning_effort`, Qwen3.5's `enable_thinking`), rendered by the released
-templates; a template without a switch gets nothing."""
+templates; a template without a switch gets nothing. And an assistant turn's past reasoning
+written back where the template keeps it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from slotserve.api.anthropic import parse_messages
 from slotserve.api.errors import APIError
+from slotserve.api.generation import harmony_thinking
 from slotserve.api.reasoning import Thinking, template_options
 from slotserve.api.schemas import ChatCompletionBody, parse_responses, validated
 from slotserve.model.chat_template import ChatTemplate
@@ -62,3 +64,29 @@ def test_qwen3_5_enable_thinking(thinking: Thinking | None, closed: bool) -> Non
 
 def test_a_template_without_a_switch_gets_nothing() -> None:
     assert template_options("{{ messages[0]['content'] }}", Thinking(effort="high")) == {}
+
+
+# ---- past reasoning, written back ------------------------------------------------------------
+
+LOOP = [{"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_reasoning_content_reaches_the_templates() -> None:
+    """An assistant turn's reasoning_content is kept by the chat body and written back by the
+    templates that keep reasoning within a tool loop: Qwen3.5's <think> block, gpt-oss's
+    analysis message (its `thinking`)."""
+    messages = validated(ChatCompletionBody, {"messages": LOOP}).request().messages
+    assert messages[1]["reasoning_content"] == "Need the tool."
+    qwen = ChatTemplate(QWEN3_5).render(messages, tools=WEATHER, add_generation_prompt=True)
+    assert "<think>\nNeed the tool.\n</think>\n\n<tool_call>" in qwen
+    oss = ChatTemplate(GPT_OSS).render(harmony_thinking(messages), tools=WEATHER,
+                                       add_generation_prompt=True)
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>"
+            "<|start|>assistant to=functions.get_weather") in oss

@@ -346,6 +346,19 @@ def engine_source(engine: Engine) -> str | None:
     return engine.template.source if engine.template is not None else None
 
 
+def harmony_thinking(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """gpt-oss's template writes a past call's analysis from the message's `thinking` (and
+    refuses a call message with both content and thinking): an assistant call message's
+    reasoning_content becomes its thinking when it has no content."""
+    out = []
+    for m in messages:
+        reasoning = m.get("reasoning_content")
+        if m.get("tool_calls") and reasoning and not m.get("content"):
+            m = {**{k: v for k, v in m.items() if k != "reasoning_content"}, "thinking": reasoning}
+        out.append(m)
+    return out
+
+
 def chat_prompt(state: AppState, engine: Engine, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None, prefill: str = "",
                 template_args: dict[str, Any] | None = None) -> list[int]:
@@ -353,6 +366,8 @@ def chat_prompt(state: AppState, engine: Engine, messages: list[dict[str, Any]],
     choice (see `slotserve.api.tools`); `template_args` are the template's own switches
     (`reasoning.template_options`)."""
     syntax = state.call_syntax
+    if syntax is HARMONY:
+        messages = harmony_thinking(messages)
     if not state.template_renders_calls:
         messages = inline_past_calls(messages, syntax)
     if tools and not state.template_lists_tools:

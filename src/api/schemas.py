@@ -452,6 +452,9 @@ class ChatMessage(Wire):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[PastToolCall] | None = None
+    # an assistant turn's reasoning as this server sent it (chat's reasoning_content), for a
+    # template that writes it back (Qwen3.5's within a tool loop; gpt-oss's as `thinking`)
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -491,6 +494,8 @@ class ChatMessage(Wire):
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls is not None:
             out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.reasoning_content and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
