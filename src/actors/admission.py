@@ -280,7 +280,31 @@ class Admission:
         self.preempting = victim.id
         victim.tell(Preempt(victim.epoch))
 
+    def _supersede_settles(self, tokens: list[int], namespace: CacheNamespace | None) -> None:
+        """A request continues the ledger of a settle pass that has not finished: it
+        prefills those tokens itself, so the pass goes (queued: dropped; running: told to
+        stop, what it settled so far stays)."""
+        settles = self.settles
+        if settles is None or namespace is None:
+            return
+
+        def continues(req: GenerationRequest) -> bool:
+            n = len(req.prompt_ids)
+            return (req.cache_namespace == namespace and len(tokens) > n
+                    and tokens[:n] == req.prompt_ids)
+
+        for queued in [q for q in settles.queue if continues(q[0])]:
+            settles.queue.remove(queued)
+        for s in self.slots:
+            req = s.request
+            if (req is not None and req.background and (s.id, s.epoch) not in self._yielding
+                    and continues(req)):
+                self._yielding.add((s.id, s.epoch))
+                s.tell(Cancel(s.epoch, "cancelled"))
+
     def _try_place(self, w: Waiting) -> bool:
+        if not w.request.background:
+            self._supersede_settles(w.tokens, w.request.cache_namespace)
         slot = next((s for s in self.slots if not s.busy and not s.in_flight), None)
         if slot is None:
             if not w.request.background:

@@ -17,7 +17,10 @@ a cold prefill of those tokens computes: a follow-up served from it keeps the pr
 invariance. It runs off the critical path: the finished request's client already has its
 answer, a settle takes a slot only when no request is queued (and gives it back at once,
 cancelled, when one arrives and no slot is free), and the Batcher gives its chunks only
-the prefill budget real prompts leave over. Its one sampled token is dropped.
+the prefill budget real prompts leave over (one aligned chunk a tick beside other rows).
+A request that continues the ledger of a settle pass not yet done (the agent's next turn,
+sent before the pass ran) supersedes it: the request prefills those tokens itself, as it
+would without settle passes. Its one sampled token is dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Settles:
         self._ids = itertools.count()
 
     def __bool__(self) -> bool:
+        """Whether any settle pass waits for a slot."""
         return bool(self.queue)
 
     def plan(self, ledger: list[int], canonical_end: int,
