@@ -114,6 +114,8 @@ def hf_state(path: Path, tiled: bool = True, next_layout: bool = False) -> dict[
                 v if t.name == "output.weight" else v - 1.0)
             continue
         _, layer, part, *_ = t.name.split(".")
+        if int(layer) >= SHAPE["num_hidden_layers"]:  # the MTP head's block (transformers
+            continue  # reads none of it either)
         p = f"model.layers.{layer}"
         if part in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             experts.setdefault(p, {})[part] = v
@@ -203,3 +205,32 @@ def test_converted_gguf_matches_transformers(model_type: str, fmt: str,
     first = len(PROMPT) - 1  # the position that predicts the first new token
     agree = float(np.mean(got[first:-1].argmax(-1) == ref[first:-1].argmax(-1)))
     assert agree >= 0.95, agree
+
+
+def test_a_file_with_its_mtp_head_loads_the_decoder(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The released checkpoints carry a multi-token-prediction head (`mtp.*`), which the
+    converter writes as one more block (block_count 5, nextn_predict_layers 1): the
+    decoder's four blocks are read, the head's left (as transformers leaves `mtp.*`)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.getbasetemp() / "qwen3_5-mtp"
+    if not out.exists():
+        shutil.copytree(hf_dir(), out)
+        w = load_file(str(out / "model.safetensors"))
+        for k in [k for k in w if k.startswith("model.layers.3.")]:  # a full-attention block
+            w["mtp.layers.0." + k[len("model.layers.3."):]] = w[k].clone()
+        g = torch.Generator().manual_seed(0)
+        w["mtp.fc.weight"] = torch.randn(64, 128, generator=g) * 0.05
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            w[f"mtp.{n}.weight"] = torch.randn(64, generator=g) * 0.3
+        save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    path = to_gguf(out, "f16")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir(), dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(hf_state(path), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    loaded = load(path, device="cpu", with_tokenizer=False, probe_rows=None)
+    assert loaded.config.num_layers == 4
+    assert greedy_tokens(loaded.model, PROMPT, NEW) == hf_greedy(hf.eval(), PROMPT, NEW)

@@ -92,6 +92,9 @@ def read_gguf(path: Path, family: GGUFConventions, cfg: ModelConfig,
         if base and suffix not in ("weight", "scales", "biases", "bias"):
             extras.setdefault(base, {})[suffix] = value
     for base in bases:
+        block = re.match(r"blk\.(\d+)\.", base)
+        if block and int(block.group(1)) >= cfg.num_layers:
+            continue  # past the decoder's blocks: a multi-token-prediction head (nextn)
         w = raw.get(base + ".weight")
         if w is None and base + ".bias" not in raw:
             raise UnsupportedModelError(f"{path}: tensor {base} has no weight")

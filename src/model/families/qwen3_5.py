@@ -74,10 +74,12 @@ class Config(ModelConfig):
     @classmethod
     def gguf_fields(cls, get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
         """llama.cpp's keys (convert_hf_to_gguf.py's Qwen3NextModel): the DeltaNet's sizes
-        as ssm.*, the linear layers as `attention.recurrent_layers`; its Qwen3.5 files
+        as ssm.*, the linear layers as `attention.recurrent_layers`, the MTP head's blocks
+        after the decoder's (`nextn_predict_layers`: left unread); its Qwen3.5 files
         (not Qwen3-Next's) reorder the value heads to tiled order when there are more value
         than key heads (`value_heads_tiled`)."""
-        n = common["num_layers"]
+        # block_count counts the multi-token-prediction head's blocks too (not read)
+        n = common["num_layers"] - int(get("nextn_predict_layers", 0))
         recurrent = get("attention.recurrent_layers")
         if recurrent is not None and len(recurrent) >= n:
             types = [LINEAR if bool(r) else FULL for r in list(recurrent)[:n]]
@@ -86,6 +88,7 @@ class Config(ModelConfig):
         key_heads, value_heads = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
         rotary = int(get("rope.dimension_count", common["head_dim"] // 4))
         return dict(
+            num_layers=n,
             layer_types=types,
             partial_rotary_factor=rotary / common["head_dim"],
             linear_conv_kernel=int(get("ssm.conv_kernel", 4)),
