@@ -41,7 +41,9 @@
 #   hybrid_agents  qwen3.5-35b-a3b shape (Gated DeltaNet hybrid MoE), MLX 4-bit, random weights
 #          ($HYBRID_LAYERS layers, default 8: the real widths, fewer layers), served; the
 #          four-agent gate (loadtests/agents_gate.py) at ~8k-token histories: reuse per
-#          follow-up turn and its TTFT against the cold turn's (not in the default list)
+#          follow-up turn and its TTFT against the cold turn's; then token-exact turns
+#          (loadtests/agent_turns.py, 2 s tool time) with settle passes and without (not in
+#          the default list)
 #   dsv4_synth  deepseek-v4-flash-10l (DeepSeek-V4-Flash widths, 10 of 43 layers), MLX 4-bit,
 #          under $SYNTH_DIR (~37 GB; one device call of its own)
 #   dsv4_long  bench/deepseek_v4_long.py on it: 4 slots x 16k / 64k / 128k-token prompts under
@@ -358,6 +360,12 @@ if want hybrid_agents; then
   timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agents_gate.py --model "$HYBRID" --agents 4 \
     --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --out "$OUT/hybrid_agents" \
     | tail -24
+  for settle in "" --no-settle-passes; do
+    stage "hybrid agent turns, token-exact (loadtests/agent_turns.py) ${settle:-with settle passes}"
+    timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agent_turns.py --model "$HYBRID" --agents 4 \
+      --turns 4 --history-tokens "${HYBRID_HISTORY:-11000}" --think-s 2 $settle \
+      --out "$OUT/hybrid_turns${settle:+_nosettle}.json" | grep '^turn'
+  done
 fi
 if want dsv4_synth; then
   stage "synth deepseek-v4-flash-10l mlx4 (~37 GB)"
