@@ -311,7 +311,13 @@ class Admission:
                 self._yield_settle()
             return False
         req, tokens = w.request, w.tokens
-        match = self.cache.lookup(tokens, req.cache_namespace)
+        reach = tokens
+        if w.progress is not None and self.cache.snapshots is not None:
+            # a preempted request resumes within its prompt (snapshots lie at whole
+            # sub-chunks: no deeper than its last one), never from another sequence's state
+            # past it, which has the chunked form's bits where its own run decoded
+            reach = tokens[: len(tokens) - w.progress.generated + 1]
+        match = self.cache.lookup(reach, req.cache_namespace)
         new = pages_for(len(tokens)) - len(match.pages)
         generated = w.progress.generated if w.progress else 0
         room = pages_for(len(tokens) + req.max_tokens - generated) - pages_for(len(tokens))
