@@ -30,7 +30,7 @@ import httpx
 
 KEPT_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta", "user-agent",
                 "openai-beta", "originator", "x-stainless-lang", "x-stainless-package-version")
-TEXT_LIMIT = 600
+TEXT_LIMIT = 300
 _CUT = " [...cut for the fixture]"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 

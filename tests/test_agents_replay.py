@@ -2,7 +2,8 @@
 covers OpenCode, Codex CLI and Claude Code without node: each fixture in tests/fixtures/agents/
 holds one agent's requests as `make e2e` recorded them (loadtests/agents_e2e.py --record; long
 texts cut, no secrets; see loadtests/agents_record.py). Every request is sent again, as
-recorded but with its output-token limit cut to a few tokens, and the answer must have the
+recorded but with its output-token limit cut to a few tokens (or set, where the agent sends
+none), and the answer must have the
 recorded status and its protocol's shape: a Chat Completions chunk stream ending in [DONE],
 the Responses event sequence (created ... completed), Anthropic's message_start ... message_stop
 with every content block opened and closed; the same first and last events as recorded (the
@@ -110,11 +111,21 @@ def check_whole(path: str, body: dict[str, Any]) -> None:
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]
 
 
-def cut_tokens(body: Any) -> Any:
-    if isinstance(body, dict):
-        return {k: (min(v, REPLAY_TOKENS) if k in TOKEN_FIELDS and isinstance(v, int) else v)
-                for k, v in body.items()}
-    return body
+# the field each route's limit goes in when a recorded request sets none (Codex sends no
+# max_output_tokens: the reply would run to its end or the context's)
+LIMIT_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/responses": "max_output_tokens",
+               "/v1/messages": "max_tokens"}
+
+
+def cut_tokens(path: str, body: Any) -> Any:
+    """The request with its output-token limit cut to REPLAY_TOKENS (set where it has none)."""
+    if not isinstance(body, dict):
+        return body
+    out = {k: (min(v, REPLAY_TOKENS) if k in TOKEN_FIELDS and isinstance(v, int) else v)
+           for k, v in body.items()}
+    if path in LIMIT_FIELD and not any(k in out for k in TOKEN_FIELDS):
+        out[LIMIT_FIELD[path]] = REPLAY_TOKENS
+    return out
 
 
 @pytest.mark.skipif(not AGENTS, reason="no recorded agent fixtures")
@@ -127,7 +138,7 @@ def test_recorded_requests_replay(srv: BackgroundServer, agent: str) -> None:
     with httpx.Client(base_url=srv.url, timeout=600) as client:
         for x in exchanges:
             req, want = x["request"], x["response"]
-            body = cut_tokens(req["body"])
+            body = cut_tokens(req["path"].split("?")[0], req["body"])
             r = client.request(req["method"], req["path"], headers=req["headers"],
                                content=None if body is None else json.dumps(body))
             assert r.status_code == want["status"], (req["path"], r.text[:300])
