@@ -242,10 +242,13 @@ class Admission:
         self._place_settles()
 
     def _place_settles(self) -> None:
-        """Settle passes into the free slots (only when nothing is queued); one whose
-        resume point the cache no longer holds is dropped (it would prefill it all)."""
+        """Settle passes into the free slots but one (only when nothing is queued); one
+        whose resume point the cache no longer holds is dropped (it would prefill it all)."""
         settles = self.settles
         while settles and not self.queue and not self.growth_waiters:
+            free = sum(1 for s in self.slots if not s.busy and not s.in_flight)
+            if free < 2 and len(self.slots) > 1:
+                return  # one slot stays free: a request that arrives takes it at once
             request, start = settles.queue[0]
             if self.cache.lookup(request.prompt_ids, request.cache_namespace).tokens < start:
                 settles.queue.popleft()

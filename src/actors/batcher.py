@@ -111,9 +111,10 @@ class Batcher(Actor[BatcherMessage]):
                 planned.append((offer.slot, _feed(offer.work, take)))
         for offer in background:  # settle passes: what the prompts left of the budget
             w = offer.work
-            # beside other rows, one aligned chunk a tick (their step stays short)
-            take = max(min(len(w.tokens), budget if not planned else min(budget, self.align)),
-                       0)
+            # beside other rows one aligned chunk a tick, alone four (steps stay short: a
+            # request that arrives waits for one at most)
+            cap = self.align if planned else 4 * self.align
+            take = max(min(len(w.tokens), budget, cap), 0)
             whole = take == len(w.tokens) or (w.start + take) // self.align * self.align \
                 > w.start  # (an aligned chunk fits in it)
             if planned and not whole:

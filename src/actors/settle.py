@@ -15,9 +15,10 @@ sub-chunk. It resumes from the finished request's own tail state and prefills th
 any continuation does, so what it leaves (pages, snapshots, its tail state) is exactly what
 a cold prefill of those tokens computes: a follow-up served from it keeps the prefix-reuse
 invariance. It runs off the critical path: the finished request's client already has its
-answer, a settle takes a slot only when no request is queued (and gives it back at once,
-cancelled, when one arrives and no slot is free), and the Batcher gives its chunks only
-the prefill budget real prompts leave over (one aligned chunk a tick beside other rows).
+answer, a settle takes a slot only when no request is queued and another slot stays free
+(and gives it back at once, cancelled, when a request finds none free), and the Batcher
+gives its chunks only the prefill budget real prompts leave over (one aligned chunk a tick
+beside other rows, four alone).
 A request that continues the ledger of a settle pass not yet done (the agent's next turn,
 sent before the pass ran) supersedes it: the request prefills those tokens itself, as it
 would without settle passes. Its one sampled token is dropped.
