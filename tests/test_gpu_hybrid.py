@@ -1,8 +1,9 @@
 """The Gated DeltaNet hybrid (tiny synthetic Qwen3.5-MoE, MLX 4-bit) on the GPU: bfloat16
 compute, the DeltaNet's plain MLX ops on the device, under the standing rules (skipped
 where MLX has no GPU, e.g. CI): a row's bits do not depend on its batch or on how its
-prompt was chunked at aligned positions, and a continuation from a state snapshot gives
-the tokens of the same prompt prefilled cold.
+prompt was chunked at aligned positions, a continuation from a state snapshot (also one a
+settle pass left past the previous turn's reply) gives the tokens of the same prompt
+prefilled cold, and a preempted request resumes with its own tokens and logprobs.
 
     python -m pytest -q -m gpu tests/test_gpu_hybrid.py
 """
@@ -15,11 +16,12 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
-from engine_harness import PROMPTS, EngineHarness
+from engine_harness import PROMPTS, EngineHarness, wait_until
 from engine_harness import alternating_options as options
-from test_hybrid_engine import LONG
+from test_hybrid_engine import LONG, _lines, _settled
 
 from slotserve.kernels.attention import BLOCK
+from slotserve.model import deltanet
 from slotserve.model.layers import Batch
 from slotserve.tools.synth import synth
 
@@ -128,3 +130,70 @@ def test_continuation_from_a_snapshot_equals_cold(harness: EngineHarness) -> Non
     cold = harness.call(lambda: engine.complete(prompt, max_tokens=16, temperature=0.0,
                                                 ignore_eos=True))
     assert cold.usage.reused_tokens == 0 and warm.token_ids == cold.token_ids
+
+
+def test_a_settled_follow_up_equals_cold(harness: EngineHarness) -> None:
+    """The previous turn's generated tokens settled (prefilled again after it finished):
+    the follow-up resumes past them and gives the tokens of the same prompt cold."""
+    engine = harness.engine
+    engine.drop_retained()
+    prompt = engine.render_chat([{"role": "user", "content": LONG}])
+    turn1 = harness.call(lambda: engine.complete(prompt, max_tokens=80, temperature=0.0,
+                                                 ignore_eos=True))
+    assert wait_until(lambda: _settled(engine), 120)
+    follow = prompt + turn1.token_ids + engine.render_chat(
+        [{"role": "user", "content": "And the stones?"}])
+    warm = harness.call(lambda: engine.complete(follow, max_tokens=16, temperature=0.0,
+                                                ignore_eos=True))
+    assert warm.usage.reused_tokens == (len(prompt) + 79) // deltanet.CHUNK * deltanet.CHUNK
+    assert wait_until(lambda: _settled(engine), 120)
+    engine.drop_retained()
+    cold = harness.call(lambda: engine.complete(follow, max_tokens=16, temperature=0.0,
+                                                ignore_eos=True))
+    assert cold.usage.reused_tokens == 0 and warm.token_ids == cold.token_ids
+
+
+def test_a_preempted_request_resumes_with_its_own_tokens(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tests/test_hybrid_engine.py's preemption case on the GPU: the younger request steps
+    back for a page and resumes with the tokens and logprobs it gives alone."""
+    path = Path(tmp_path_factory.mktemp("tiny-qwen3.5-moe-preempt"))
+    synth("tiny-qwen3.5-moe", path, "mlx4")
+    h = EngineHarness(path, device="gpu", max_slots=2, max_queue=8, prefill_budget=48,
+                      kv_reserve_tokens=0)
+    try:
+        engine = h.engine
+        adm = engine.admission
+        prompts = [engine.render_chat([{"role": "user", "content": _lines(n)}])
+                   for n in (4, 5)]
+        assert len(prompts[0]) + 10 < len(prompts[1]) < BLOCK - 20
+        opts = [{**options(1), "max_tokens": BLOCK + 12 - len(prompts[0]), "logprobs": True},
+                {**options(0), "max_tokens": BLOCK + 40 - len(prompts[1]), "logprobs": True}]
+        alone = []
+        for p, o in zip(prompts, opts, strict=True):
+            engine.drop_retained()
+            alone.append(h.call(lambda p=p, o=o: engine.complete(p, **o)))
+        assert wait_until(lambda: _settled(engine), 120)
+        engine.drop_retained()
+        adm.budget_pages = 2 * adm.floor_pages + 3
+
+        async def together() -> list[Any]:
+            out: list[Any] = [None] * len(prompts)
+
+            async def one(i: int) -> None:
+                out[i] = await engine.complete(prompts[i], **opts[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+                    await anyio.sleep(0.01)
+            return out
+
+        both = h.call(together)
+        assert sum(adm.preemptions.values()) > 0
+        for a, b in zip(alone, both, strict=True):
+            assert b.finish_reason == "length", b.error
+            assert b.token_ids == a.token_ids
+            assert [lp.logprob for lp in b.logprobs] == [lp.logprob for lp in a.logprobs]
+    finally:
+        h.close()
