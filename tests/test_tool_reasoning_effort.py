@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slotserve.api.anthropic import parse_messages
+from slotserve.api.anthropic import chat_messages, parse_messages
 from slotserve.api.errors import APIError
 from slotserve.api.generation import harmony_thinking
 from slotserve.api.reasoning import Thinking, template_options
@@ -90,3 +90,28 @@ def test_reasoning_content_reaches_the_templates() -> None:
                                        add_generation_prompt=True)
     assert ("<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>"
             "<|start|>assistant to=functions.get_weather") in oss
+
+
+def test_reasoning_items_and_thinking_blocks_become_reasoning_content() -> None:
+    """A Responses reasoning item (as this server writes it) and an Anthropic thinking block
+    are the reasoning_content of the assistant turn they belong to."""
+    items = parse_responses({"input": [
+        {"type": "message", "role": "user", "content": "Weather in Oslo?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Need the tool."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "opaque"},
+        {"type": "message", "role": "assistant", "content": "Sunny."}]}).items
+    assert items[1]["reasoning_content"] == "Need the tool." and items[1]["tool_calls"]
+    assert "reasoning_content" not in items[3]
+    req = parse_messages({"max_tokens": 8, "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Need the tool.", "signature": "s"},
+            {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                      "content": "sunny"}]}]})
+    messages, _ = chat_messages(req)
+    assert messages[1]["reasoning_content"] == "Need the tool." and messages[1]["tool_calls"]

@@ -129,7 +129,8 @@ def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], str]:
     final assistant message, which the reply continues).
 
     tool_result blocks become `tool` messages; tool_use blocks become `tool_calls` (written
-    into the text for a template that does not render those: `generation.chat_prompt`).
+    into the text for a template that does not render those: `generation.chat_prompt`);
+    an assistant turn's thinking blocks its reasoning_content.
     """
     out: list[dict[str, Any]] = []
     if req.system:
@@ -143,9 +144,12 @@ def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], str]:
             continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
+        thought: list[str] = []  # thinking blocks: the turn's reasoning, for templates keeping it
         for block in m.content:
             if block["type"] == "text":
                 texts.append(block["text"])
+            elif block["type"] == "thinking" and m.role == "assistant":
+                thought.append(block.get("thinking") or "")
             elif block["type"] == "tool_result":
                 text = joined(block.get("content", []))
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
@@ -162,6 +166,8 @@ def chat_messages(req: MessagesRequest) -> tuple[list[dict[str, Any]], str]:
             msg: dict[str, Any] = {"role": m.role, "content": text}
             if calls:
                 msg["tool_calls"] = calls
+            if "".join(thought).strip():
+                msg["reasoning_content"] = "".join(thought)
             out.append(msg)
     return out, prefill
 

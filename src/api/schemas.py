@@ -826,9 +826,11 @@ class ToolResultBlock(TypedDict):
 @with_config(_ELEMENT)
 class ThinkingBlock(TypedDict):
     """Reasoning an assistant turn showed (thinking) or hid (redacted_thinking): sent back by
-    clients with the history, and not part of the prompt (templates drop past reasoning)."""
+    clients with the history; a shown one is the turn's reasoning_content (written back by a
+    template that keeps reasoning, dropped by the others)."""
 
     type: Literal["thinking", "redacted_thinking"]
+    thinking: NotRequired[str]
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
@@ -1050,12 +1052,15 @@ def _item_str(item: dict[str, Any], key: str, i: int) -> str:
 
 def response_items(items: str | list[Any]) -> list[dict[str, Any]]:
     """Responses `input` -> chat-template messages: messages (developer is system), function
-    calls (on the assistant message they follow) and their outputs (tool messages); reasoning
-    items carry nothing the prompt shows, and item types that hold no text for this model
-    (web search results, images) are left out with a log line."""
+    calls (on the assistant message they follow) and their outputs (tool messages); a
+    reasoning item's text is the next assistant turn's reasoning_content (for a template that
+    writes it back; an encrypted one, which no server but OpenAI's reads, carries nothing), and
+    item types that hold no text for this model (web search results, images) are left out
+    with a log line."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise _fail("item_object", i)
@@ -1066,6 +1071,10 @@ def response_items(items: str | list[Any]) -> list[dict[str, Any]]:
                 raise _fail("item_role", i, "role")
             text = _item_text(item.get("content"), (i, "content"))
             out.append({"role": "system" if role == "developer" else role, "content": text})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"] = reasoning
+            if role != "assistant" or reasoning:
+                reasoning = ""
         elif kind == "function_call":
             call = {"id": _item_str(item, "call_id", i), "type": "function", "function": {
                 "name": _item_str(item, "name", i),
@@ -1075,12 +1084,16 @@ def response_items(items: str | list[Any]) -> list[dict[str, Any]]:
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
                 out.append(last)
+            if reasoning:
+                last["reasoning_content"], reasoning = reasoning, ""
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": _item_str(item, "call_id", i),
                         "content": _item_text(item.get("output", ""), (i, "output"))})
-        elif kind == "reasoning":
-            continue
+        elif kind == "reasoning":  # its text (as this server writes it) goes with the next turn
+            reasoning = "".join(p.get("text", "") for p in item.get("content") or []
+                                if isinstance(p, dict) and p.get("type") == "reasoning_text"
+                                and isinstance(p.get("text"), str))
         else:
             log.info("input item ignored", type=short_repr(kind),
                      why="only message, function_call, function_call_output and reasoning "
