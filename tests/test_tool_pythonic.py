@@ -92,3 +92,92 @@ def test_render_reads_back() -> None:
     calls = [("get_weather", '{"city": "Oslo"}'), ("g", "{}")]
     assert summary(events_of(PYTHONIC.render(calls), [])) == (
         "", [("get_weather", {"city": "Oslo"}), ("g", {})])
+
+
+def test_forcing_grammar_accepts_its_calls_only() -> None:
+    """The forcing grammar takes a call of a listed tool whose arguments are valid, written as
+    Python reads them (True, None, JSON-style strings), and the streamed parser reads it."""
+    import llguidance
+    from vocabularies import smollm2
+
+    from slotserve.api.pythonic import pythonic_call_grammar
+    from slotserve.runtime.grammar import ll_tokenizer
+
+    tools = [{"type": "function", "function": {"name": "write", "parameters": {
+        "type": "object", "required": ["path"], "properties": {
+            "path": {"type": "string", "maxLength": 12}, "force": {"type": "boolean"},
+            "n": {"type": "integer"}, "mode": {"enum": ["a", "b"]}}}}},
+        {"type": "function", "function": {"name": "now", "parameters": {
+            "type": "object", "properties": {"tz": {"type": "string"}}}}}]
+    tok = smollm2()
+
+    def accepts(lark: str, text: str) -> bool:
+        m = llguidance.LLMatcher(ll_tokenizer(tok), llguidance.LLMatcher.grammar_from_lark(lark),
+                                 log_level=0)
+        assert not m.is_error(), m.get_error()
+        ids = tok.encode(text, add_special=False)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    lark = pythonic_call_grammar(tools, None, True)
+    good = '[write(path="a \\"b\\".py", force=True, mode="b"), now()]'
+    assert accepts(lark, good) and accepts(lark, '[now(tz="UTC")]')
+    assert summary(events_of(good, []))[1] == [
+        ("write", {"path": 'a "b".py', "force": True, "mode": "b"}), ("now", {})]
+    assert not accepts(lark, '[write(force=True)]')  # path is required
+    assert not accepts(lark, '[write(path="a", force=true)]')  # JSON's true is not Python's
+    assert not accepts(lark, '[write(path="far too long a path")]')  # maxLength
+    assert not accepts(pythonic_call_grammar(tools, "now", False), '[write(path="a")]')
+    with pytest.raises(ValueError, match="'opts'"):
+        pythonic_call_grammar([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"opts": {"type": "object"}}}}}], None, False)
+
+
+# a ChatML template that teaches pythonic calls the way Llama 3.2 / 4's do (their marker text)
+PYTHONIC_TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call functions. Reply with [func_name1(params_name1=params_value1, ...), func_name2()]
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_forced_pythonic_call_end_to_end(tmp_path: Any) -> None:
+    """A tiny random Qwen3 whose template teaches pythonic calls: a forced call is a
+    schema-valid call, streamed (argument pieces) and not, the same."""
+    import shutil
+
+    import openai
+    from converted import tiny_hf
+
+    from slotserve.api.app import create_app
+    from slotserve.api.server import BackgroundServer
+    from slotserve.engine import EngineConfig
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_hf("qwen3"), model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg,
+                                                             "chat_template": PYTHONIC_TEMPLATE}))
+    tools = [{"type": "function", "function": {"name": "resize", "parameters": {
+        "type": "object", "required": ["rows", "wide"], "properties": {
+            "rows": {"type": "integer", "minimum": 1, "maximum": 99},
+            "wide": {"type": "boolean"}, "name": {"type": "string", "maxLength": 8}}}}}]
+    body: dict[str, Any] = dict(model="m", messages=[{"role": "user", "content": "Resize."}],
+                                tools=tools, tool_choice="required", temperature=0,
+                                max_tokens=48, parallel_tool_calls=False)
+    with BackgroundServer(create_app(EngineConfig(model=model, max_slots=2))).start() as srv:
+        assert srv.state.call_syntax is PYTHONIC
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(**body)
+        assert r.choices[0].finish_reason == "tool_calls", r
+        ((call),) = r.choices[0].message.tool_calls
+        pieces = [tc.function.arguments for chunk in client.chat.completions.create(
+            **body, stream=True) for tc in (chunk.choices[0].delta.tool_calls or [])
+            if chunk.choices and tc.function.arguments]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "resize" and "".join(pieces) == call.function.arguments
+    assert type(args["rows"]) is int and 1 <= args["rows"] <= 99
+    assert isinstance(args["wide"], bool) and len(pieces) > 1
+    assert set(args) <= {"rows", "wide", "name"}

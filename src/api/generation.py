@@ -37,7 +37,7 @@ from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
 from slotserve.api.harmony import HarmonyParser, harmony_call_grammar, harmony_no_call_grammar
 from slotserve.api.limits import chat_texts, refuse_unfit
-from slotserve.api.pythonic import PythonicParser
+from slotserve.api.pythonic import PythonicParser, pythonic_call_grammar
 from slotserve.api.qwen_xml import QwenXmlParser, qwen_xml_call_grammar
 from slotserve.api.reasoning import (
     ReasoningPiece,
@@ -391,6 +391,12 @@ async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, An
     elif syntax is QWEN_XML and choice.forced:
         lark = qwen_xml_call_grammar(tools, choice.name if choice.mode == "function" else None,
                                      parallel)
+    elif syntax is PYTHONIC and choice.forced:
+        try:
+            lark = pythonic_call_grammar(
+                tools, choice.name if choice.mode == "function" else None, parallel)
+        except ValueError as exc:
+            raise bad_request(str(exc), "tool_choice", "unsupported_tool_choice") from None
     elif choice.forced:
         if syntax.whole:  # no grammar of its (not JSON) arguments: refused, never unforced
             raise bad_request(f"tool_choice {choice.mode!r} cannot be enforced for this "

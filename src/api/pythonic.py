@@ -344,3 +344,83 @@ class PythonicParser:
         self.calls.append(call)
         self._call = None
         out.append(CallClosed(index, call))
+
+
+# ---- the forcing grammar -------------------------------------------------------------------
+
+
+def _json_safe(schema: Any) -> bool:
+    """Whether every value `schema` allows is written the same in JSON and Python (no
+    true/false/null inside, and a type is given): then `%json` writes a Python literal."""
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type")
+    if "enum" in schema:
+        return all(isinstance(v, str | int | float) and not isinstance(v, bool)
+                   for v in schema["enum"])
+    if kind in ("string", "integer", "number"):
+        return True
+    if kind == "object":
+        props = schema.get("properties") or {}
+        return (schema.get("additionalProperties") is False
+                and all(_json_safe(p) for p in props.values()))
+    if kind == "array":
+        return _json_safe(schema.get("items"))
+    return False
+
+
+def _value_rule(spec: Any) -> str | None:
+    """Lark for one argument's Python literal, or None when it cannot be written here."""
+    if isinstance(spec, dict) and spec.get("type") == "boolean":
+        return '"True" | "False"'
+    if isinstance(spec, dict) and spec.get("type") == "null":
+        return '"None"'
+    if _json_safe(spec):
+        sub = {**spec, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                      "key_separator": ": ", "lenient": True}}
+        return f"%json {json.dumps(sub)}"
+    return None
+
+
+def pythonic_call_grammar(tools: list[dict[str, Any]], choice_name: str | None,
+                          parallel: bool) -> str:
+    """Lark for a reply that is only a pythonic call list: `[NAME(key=value, ...)]` of one
+    of `tools` (just `choice_name` when given), the required arguments in the schema's order,
+    then the optional ones (each may be left out); strings, numbers and enums as JSON writes
+    them (which Python reads alike), booleans True/False, None. ValueError for a parameter
+    whose values Python and JSON write differently (true/false/null inside an object or
+    array, or no type)."""
+    fns = [t.get("function", t) for t in tools]
+    if choice_name is not None:
+        fns = [f for f in fns if f["name"] == choice_name]
+    rules = []
+    for i, fn in enumerate(fns):
+        params = fn.get("parameters") or {}
+        props = params.get("properties") or {}
+        required = [k for k in props if k in set(params.get("required") or [])]
+        optional = [k for k in props if k not in required]
+        items = []
+        for k, key in enumerate(required + optional):
+            value = _value_rule(props[key])
+            if value is None:
+                raise ValueError(f"forcing a pythonic call of {fn['name']!r}: its parameter "
+                                 f"{key!r} has values Python and JSON write differently "
+                                 "(booleans or null inside an object or array, or no type)")
+            rules.append(f"v_{i}_{k}: {value}")
+            items.append((key in required, f'"{key}=" v_{i}_{k}'))
+        # required ones joined by ", ", then each optional one as (", " item)?; with none
+        # required, the optional ones from the first (a subset that starts with it)
+        req = [item for is_req, item in items if is_req]
+        opt = [f'(", " {item})?' for is_req, item in items if not is_req]
+        if req:
+            body = " ".join([req[0], *(f'", " {r}' for r in req[1:]), *opt])
+        elif opt:
+            first = next(item for is_req, item in items if not is_req)
+            body = f"({' '.join([first, *opt[1:]])})?"
+        else:
+            body = ""
+        opener = json.dumps(fn["name"] + "(")
+        rules.append(f'fn_{i}: {opener} {body} ")"')
+    call = "call: " + " | ".join(f"fn_{i}" for i in range(len(fns)))
+    start = 'start: "[" call (", " call)* "]"' if parallel else 'start: "[" call "]"'
+    return "\n".join([start, call, *rules]) + "\n"
