@@ -138,14 +138,14 @@ def test_a_settled_follow_up_equals_cold(harness: EngineHarness) -> None:
     engine = harness.engine
     engine.drop_retained()
     prompt = engine.render_chat([{"role": "user", "content": LONG}])
-    turn1 = harness.call(lambda: engine.complete(prompt, max_tokens=80, temperature=0.0,
+    turn1 = harness.call(lambda: engine.complete(prompt, max_tokens=40, temperature=0.0,
                                                  ignore_eos=True))
     assert wait_until(lambda: _settled(engine), 120)
     follow = prompt + turn1.token_ids + engine.render_chat(
         [{"role": "user", "content": "And the stones?"}])
     warm = harness.call(lambda: engine.complete(follow, max_tokens=16, temperature=0.0,
                                                 ignore_eos=True))
-    assert warm.usage.reused_tokens == (len(prompt) + 79) // deltanet.CHUNK * deltanet.CHUNK
+    assert warm.usage.reused_tokens == (len(prompt) + 39) // deltanet.CHUNK * deltanet.CHUNK
     assert wait_until(lambda: _settled(engine), 120)
     engine.drop_retained()
     cold = harness.call(lambda: engine.complete(follow, max_tokens=16, temperature=0.0,
