@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 from engine_harness import PROMPTS, EngineHarness
 from engine_harness import alternating_options as options
+from model_rows import rows_invariance
 
 from slotserve.model.layers import Backend, Batch
 from slotserve.tools.synth import synth
@@ -83,39 +84,8 @@ def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -
     the same prefilled whole or cut, and four sequences' rows in one step give each one's
     bits alone; past the sliding window (64) so both layer kinds read a window."""
     model = harness.engine.loaded.model
-    prompt = [int(t) % 4000 + 10 for t in range(7, 7 + 150 * 13, 13)]
-
-    def step(tokens: list[int], parts: list[Any], rows: list[int]) -> mx.array:
-        """One forward, evaluated with its K/V writes: the CUDA kernels write the pool in
-        place, which a later step's graph does not depend on (the engine evaluates each
-        step's writes the same way, Batch.written)."""
-        batch = Batch.build(parts)
-        out = model(mx.array(tokens), batch, rows)
-        mx.eval(out, batch.written())
-        return out
-
-    def logits(cuts: list[int]) -> mx.array:
-        kv, start, out = model.new_kv(), 0, None
-        for end in [*cuts, len(prompt)]:
-            out = step(prompt[start:end], [(kv, start, end - start)], [end - start - 1])
-            start = end
-        return out[0]
-
-    def run() -> tuple[list[bool], list[bool]]:  # on the MLX thread, which owns the arrays
-        whole = logits([])
-        split = [logits(c) for c in ([64], [32, 96, 128])]
-        kvs = [model.new_kv() for _ in range(4)]
-        for kv, n in zip(kvs[2:], (37, 130), strict=True):
-            step(prompt[:n], [(kv, 0, n)], [n - 1])
-        feeds = [(prompt[:64], 0), (prompt[:100], 0), ([9], 37), ([11], 130)]
-        alone = [step(t, [(kv, s, len(t))], [len(t) - 1])[0]
-                 for kv, (t, s) in zip(kvs, feeds, strict=True)]
-        parts = [(kv, s, len(t)) for kv, (t, s) in zip(kvs, feeds, strict=True)]
-        together = step([x for t, _ in feeds for x in t], parts, [63, 163, 164, 165])
-        return ([bool(mx.array_equal(s, whole)) for s in split],
-                [bool(mx.array_equal(together[i], alone[i])) for i in range(4)])
-
-    chunked, batched = harness.call(lambda: harness.engine.mlx.run(run))
+    chunked, batched = harness.call(
+        lambda: harness.engine.mlx.run(lambda: rows_invariance(model)))
     assert all(chunked), chunked
     assert all(batched), batched
 
