@@ -17,8 +17,10 @@
 #          max_tokens run at once; 8 x 32k-token prompts all served (not in the default list)
 #   host   bench/host_cost.py once per MLX CUDA-graph setting: a step's host cost, plain
 #          forward vs compiled (runtime.compiled)
-#   tests  pytest -m gpu tests/test_gpu.py (tiny synthetic dense + MoE on the GPU); on a fresh
-#          machine MLX JIT-compiles its CUDA kernels first (minutes; cached in MLX_PTX_CACHE_DIR)
+#   tests  pytest -m gpu of every GPU test file (tests/test_gpu*.py, the CUDA kernels',
+#          attention and device sampling tests), one process per file side by side; on a
+#          fresh machine MLX JIT-compiles its CUDA kernels first (minutes; cached in
+#          MLX_PTX_CACHE_DIR)
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
@@ -201,13 +203,23 @@ if want host; then
 fi
 
 if want tests; then
-  stage "pytest -m gpu tests/test_cuda_kernels.py tests/test_gpu*.py tests/test_attention.py" \
-    "tests/test_device_sampling.py"
-  timeout "${TESTS_TIMEOUT:-600}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA \
-    tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py \
-    tests/test_device_sampling.py tests/test_gpu_families.py tests/test_gpu_gemma4.py \
-    tests/test_gpu_gguf.py tests/test_gpu_hybrid.py tests/test_gpu_deepseek_v4.py 2>&1 \
-    | tee "$OUT/tests.log" | tail -25
+  # one pytest process per file, side by side on the one GPU: a CUDA fault (an illegal
+  # address kills the process's context) then fails only its own file, and the files
+  # share the JIT-compile minutes of a fresh machine instead of queueing them
+  stage "pytest -m gpu, one process per file: tests/test_cuda_kernels.py tests/test_gpu*.py" \
+    "tests/test_attention.py tests/test_device_sampling.py"
+  files="tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py
+    tests/test_device_sampling.py tests/test_gpu_families.py tests/test_gpu_gemma4.py
+    tests/test_gpu_gguf.py tests/test_gpu_hybrid.py tests/test_gpu_deepseek_v4.py"
+  : > "$OUT/tests.log"
+  for f in $files; do
+    (timeout "${TESTS_TIMEOUT:-540}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA "$f" \
+      > "$OUT/tests_$(basename "$f" .py).log" 2>&1
+     echo "$f: exit $? $(tail -1 "$OUT/tests_$(basename "$f" .py).log")" >> "$OUT/tests.log") &
+  done
+  wait
+  cat "$OUT/tests.log"
+  grep -h "^FAILED\|^ERROR" "$OUT"/tests_*.log | cut -c1-200
 fi
 
 # run a python command under Nsight Compute, GPU time per kernel into $OUT/$1.csv, then
