@@ -35,6 +35,7 @@ from slotserve.api.tool_formats import (
     ArgumentsPiece,
     CallClosed,
     CallOpened,
+    StepParser,
     TextPiece,
 )
 from slotserve.api.tools import ToolCall, ToolChoice, new_call_id
@@ -63,7 +64,7 @@ def _held(buf: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class HarmonyParser:
+class HarmonyParser(StepParser):
     """Harmony reply text in, reasoning / text / call events out, as early as the text allows.
 
     `calls`: whether messages to a recipient are tool calls (tools were given and the choice
@@ -79,19 +80,10 @@ class HarmonyParser:
         self._call: tuple[str, str] | None = None  # (id, name) of the call being written
         self._args: list[str] = []
 
-    def feed(self, text: str) -> list[HarmonyEvent]:
-        self.buf += text
-        out: list[HarmonyEvent] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
     def finish(self) -> list[HarmonyEvent]:
         """End of the reply: a header left open is given back as text; a call being written
         ends with the arguments written so far."""
-        out: list[HarmonyEvent] = []
-        while self._step(out, final=True):
-            pass
+        out = self._drain(final=True)
         if self.state == "header" and self.buf:
             out.append(TextPiece(self.buf))
         elif self.state == "content":

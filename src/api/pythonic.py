@@ -22,6 +22,7 @@ from slotserve.api.tool_formats import (
     CallClosed,
     CallEvent,
     CallOpened,
+    StepParser,
     TextPiece,
 )
 from slotserve.api.tools import ToolCall, new_call_id
@@ -71,7 +72,7 @@ def _literal(text: str) -> Any:
         return text.strip()
 
 
-class PythonicParser:
+class PythonicParser(StepParser):
     """Generated text in, `CallEvent`s out (the events `CallParser` gives)."""
 
     def __init__(self) -> None:
@@ -91,17 +92,8 @@ class PythonicParser:
         self._str_quote = ""  # the open streamed string's quote
         self._awaiting = False  # a keyword written, its value not yet begun
 
-    def feed(self, text: str) -> list[CallEvent]:
-        self.buf += text
-        out: list[CallEvent] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
     def finish(self) -> list[CallEvent]:
-        out: list[CallEvent] = []
-        while self._step(out, final=True):
-            pass
+        out = self._drain(final=True)
         if self.state in ("start", "name") and self._call is None and not self.calls:
             if self.held + self.buf:
                 out.append(TextPiece(self.held + self.buf))

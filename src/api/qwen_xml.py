@@ -32,6 +32,7 @@ from slotserve.api.tool_formats import (
     CallClosed,
     CallEvent,
     CallOpened,
+    StepParser,
     TextPiece,
     _partial_prefix,
 )
@@ -98,7 +99,7 @@ def convert(text: str, types: set[str]) -> Any:
     return text
 
 
-class QwenXmlParser:
+class QwenXmlParser(StepParser):
     """Generated text in, `CallEvent`s out (the same events `CallParser` gives).
 
     `tools`: the request's tools (OpenAI shape), whose parameter schemas type the values.
@@ -122,17 +123,8 @@ class QwenXmlParser:
         self._streamed = False  # the open value is a string passed on as it comes
         self._held: list[str] = []
 
-    def feed(self, text: str) -> list[CallEvent]:
-        self.buf += text
-        out: list[CallEvent] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
     def finish(self) -> list[CallEvent]:
-        out: list[CallEvent] = []
-        while self._step(out, final=True):
-            pass
+        out = self._drain(final=True)
         if self.state == "value":
             self._end_value(out, self.buf)
             self.buf = ""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,7 +182,29 @@ def _partial_prefix(buf: str, marker: str) -> int:
     return 0
 
 
-class CallParser:
+class StepParser(ABC):
+    """The loop every streaming call parser shares: generated text is held in `buf` and the
+    parser's state machine advanced (`_step`) until it can do no more with what is held."""
+
+    buf: str
+
+    def feed(self, text: str) -> list[Any]:
+        self.buf += text
+        return self._drain(final=False)
+
+    def _drain(self, final: bool) -> list[Any]:
+        """Events of every step the held text allows (final: the generation has ended)."""
+        out: list[Any] = []
+        while self._step(out, final):
+            pass
+        return out
+
+    @abstractmethod
+    def _step(self, out: list[Any], final: bool) -> bool:
+        """Advance once, appending events to `out`; False when nothing more can be done."""
+
+
+class CallParser(StepParser):
     """Generated text in, `CallEvent`s out, as early as the text allows.
 
     Text is passed through except what could still become the syntax's opener; a call's
@@ -205,19 +228,10 @@ class CallParser:
 
     # ---- public ----------------------------------------------------------------------------
 
-    def feed(self, text: str) -> list[CallEvent]:
-        self.buf += text
-        out: list[CallEvent] = []
-        while self._step(out, final=False):
-            pass
-        return out
-
     def finish(self) -> list[CallEvent]:
         """End of generation: what is held is parsed or given back; an unfinished call ends
         with the arguments written so far."""
-        out: list[CallEvent] = []
-        while self._step(out, final=True):
-            pass
+        out = self._drain(final=True)
         if self.state == "args":
             self._close(out)
         elif self.state == "raw" or (self.state == "region" and self.buf.strip()):
