@@ -71,3 +71,41 @@ def wait_until(pred: Callable[[], object], timeout: float, step: float = 0.02) -
             return True
         time.sleep(step)
     return bool(pred())
+
+
+Options = Callable[[int], dict[str, Any]]
+
+
+def alone(h: EngineHarness, ids: Callable[[int], list[int]], n: int,
+          options: Options = alternating_options) -> list[Any]:
+    """Completions of prompts ids(0..n-1), each alone and cold (nothing retained before
+    it), with options(i): what the batch-invariance tests compare against."""
+    out = []
+    for i in range(n):
+        h.engine.drop_retained()
+        out.append(h.call(lambda i=i: h.engine.complete(ids(i), **options(i))))
+    return out
+
+
+def together(h: EngineHarness, ids: Callable[[int], list[int]], n: int,
+             delay: Callable[[int], float], requests: int | None = None,
+             options: Options = alternating_options) -> dict[int, Any]:
+    """Completions of `requests` (default n) requests submitted at once from a cold cache,
+    request i being prompt i % n with options(i % n), started delay(i) seconds
+    in: they share steps, queue for slots and join running batches."""
+    engine = h.engine
+
+    async def run() -> dict[int, Any]:
+        out: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            await anyio.sleep(delay(i))
+            out[i] = await engine.complete(ids(i % n), **options(i % n))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(n if requests is None else requests):
+                tg.start_soon(one, i)
+        return out
+
+    engine.drop_retained()
+    return h.call(run)

@@ -12,7 +12,7 @@ import anyio
 import pytest
 from converted import llama_cpp_tree
 from engine_harness import PROMPTS as ALL_PROMPTS
-from engine_harness import EngineHarness, alternating_options
+from engine_harness import EngineHarness, alone, alternating_options, together
 
 from slotserve.kernels.attention import BLOCK
 from slotserve.tools.synth import write_gemma4_tokenizer
@@ -74,11 +74,7 @@ def ids(harness: EngineHarness, i: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def solo(harness: EngineHarness) -> list[Any]:
-    engine, out = harness.engine, []
-    for i in range(len(PROMPTS)):
-        engine.drop_retained()
-        out.append(harness.call(lambda i=i: engine.complete(ids(harness, i), **options(i))))
-    return out
+    return alone(harness, lambda i: ids(harness, i), len(PROMPTS), options)
 
 
 def test_kv_budget_charges_only_layers_that_write_kv(harness: EngineHarness) -> None:
@@ -92,21 +88,9 @@ def test_kv_budget_charges_only_layers_that_write_kv(harness: EngineHarness) -> 
 
 def test_batch_and_prefix_invariance(harness: EngineHarness, solo: list[Any]) -> None:
     engine = harness.engine
-
-    async def together() -> dict[int, Any]:
-        out: dict[int, Any] = {}
-
-        async def one(i: int, delay: float) -> None:
-            await anyio.sleep(delay)
-            out[i] = await engine.complete(ids(harness, i), **options(i))
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):  # 4 requests on 3 slots: some wait for a freed slot
-                tg.start_soon(one, i, 0.05 * i)
-        return out
-
-    engine.drop_retained()
-    for i, c in harness.call(together).items():
+    # 4 requests on 3 slots: some wait for a freed slot
+    for i, c in together(harness, lambda i: ids(harness, i), len(PROMPTS),
+                         lambda i: 0.05 * i, options=options).items():
         assert c.token_ids == solo[i].token_ids, f"prompt {i} differs in a batch"
 
     # prefix reuse: continue prompt 0's conversation from its retained pages, then cold

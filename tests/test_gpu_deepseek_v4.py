@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_harness import PROMPTS, EngineHarness
+from engine_harness import PROMPTS, EngineHarness, alone, together
 from engine_harness import alternating_options as options
 from model_rows import rows_invariance
 
@@ -50,25 +49,9 @@ def test_runs_on_the_gpu(harness: EngineHarness) -> None:
 
 def test_batch_and_prefix_invariance(harness: EngineHarness) -> None:
     engine = harness.engine
-    solo = []
-    for i in range(len(PROMPTS)):
-        engine.drop_retained()
-        solo.append(harness.call(lambda i=i: engine.complete(ids(harness, i), **options(i))))
-
-    async def together() -> dict[int, Any]:
-        out: dict[int, Any] = {}
-
-        async def one(i: int, delay: float) -> None:
-            await anyio.sleep(delay)
-            out[i] = await engine.complete(ids(harness, i), **options(i))
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):
-                tg.start_soon(one, i, 0.02 * (i % 3))
-        return out
-
-    engine.drop_retained()
-    batched = harness.call(together)
+    solo = alone(harness, lambda i: ids(harness, i), len(PROMPTS))
+    batched = together(harness, lambda i: ids(harness, i), len(PROMPTS),
+                       lambda i: 0.02 * (i % 3))
     differ = [i for i, c in batched.items() if c.token_ids != solo[i].token_ids]
     assert not differ, f"prompts {differ} differ in a batch of {len(PROMPTS)}"
     for i in (0, 1):  # greedy, seeded: a follow-up resumed from the last state equals cold

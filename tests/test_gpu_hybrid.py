@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
-from engine_harness import PROMPTS, EngineHarness, wait_until
+from engine_harness import PROMPTS, EngineHarness, alone, together, wait_until
 from engine_harness import alternating_options as options
 from model_rows import rows_invariance
 from test_hybrid_engine import LONG, _lines, _settled
@@ -60,25 +60,8 @@ def test_batch_invariance(harness: EngineHarness) -> None:
     def ids(i: int) -> list[int]:
         return engine.render_chat([{"role": "user", "content": PROMPTS[i]}])
 
-    solo = []
-    for i in range(len(PROMPTS)):
-        engine.drop_retained()
-        solo.append(harness.call(lambda i=i: engine.complete(ids(i), **options(i))))
-
-    async def together() -> dict[int, Any]:
-        out: dict[int, Any] = {}
-
-        async def one(i: int, delay: float) -> None:
-            await anyio.sleep(delay)
-            out[i] = await engine.complete(ids(i), **options(i))
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):
-                tg.start_soon(one, i, 0.02 * i)
-        return out
-
-    engine.drop_retained()
-    for i, c in harness.call(together).items():
+    solo = alone(harness, ids, len(PROMPTS))
+    for i, c in together(harness, ids, len(PROMPTS), lambda i: 0.02 * i).items():
         assert c.token_ids == solo[i].token_ids, f"prompt {i} differs in a batch"
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 from engine_harness import PROMPTS as ALL_PROMPTS
-from engine_harness import EngineHarness, wait_until
+from engine_harness import EngineHarness, alone, together, wait_until
 from engine_harness import alternating_options as options
 
 from slotserve.kernels.attention import BLOCK
@@ -70,26 +70,13 @@ def _ids(engine: Any, text: str) -> list[int]:
 
 def test_batch_invariance(harness: EngineHarness) -> None:
     engine = harness.engine
-    solo = []
-    for i in range(len(PROMPTS)):
-        engine.drop_retained()
-        solo.append(harness.call(lambda i=i: engine.complete(_ids(engine, PROMPTS[i]),
-                                                             **options(i))))
 
-    async def together() -> dict[int, Any]:
-        out: dict[int, Any] = {}
+    def ids(i: int) -> list[int]:
+        return _ids(engine, PROMPTS[i])
 
-        async def one(i: int, delay: float) -> None:
-            await anyio.sleep(delay)
-            out[i] = await engine.complete(_ids(engine, PROMPTS[i]), **options(i))
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):  # 5 requests on 4 slots: one waits for a slot
-                tg.start_soon(one, i, 0.05 * i)
-        return out
-
-    engine.drop_retained()
-    batched = harness.call(together)
+    solo = alone(harness, ids, len(PROMPTS))
+    # 5 requests on 4 slots: one waits for a slot
+    batched = together(harness, ids, len(PROMPTS), lambda i: 0.05 * i)
     for i, c in batched.items():
         assert c.token_ids == solo[i].token_ids, f"prompt {i} differs in a batch"
 
