@@ -21,6 +21,9 @@
 #          attention and device sampling tests), one process per file side by side; on a
 #          fresh machine MLX JIT-compiles its CUDA kernels first (minutes; cached in
 #          MLX_PTX_CACHE_DIR)
+#   mlx_ops  bench/mlx_cuda_ops.py: MLX's CUDA ops of the MLX-ops path (gather_mm,
+#          quantized_matmul, mxfp4 gather_qmm, top-k) alone at gpt-oss's GPU-test shapes, bf16
+#          and f32: which launch (not in the default list)
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
@@ -220,6 +223,11 @@ if want tests; then
   wait
   cat "$OUT/tests.log"
   grep -h "^FAILED\|^ERROR" "$OUT"/tests_*.log | cut -c1-200
+fi
+
+if want mlx_ops; then
+  stage "mlx_ops: MLX's CUDA ops at gpt-oss's GPU-test shapes, each alone"
+  timeout 120 $PY bench/mlx_cuda_ops.py | tee "$OUT/mlx_ops.log"
 fi
 
 # run a python command under Nsight Compute, GPU time per kernel into $OUT/$1.csv, then

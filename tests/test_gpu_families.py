@@ -176,7 +176,12 @@ def test_gpu_matches_cpu_run_of_the_same_file(family: str, cuda_kernels: bool, t
     model = load(path, device="gpu", with_tokenizer=False, probe_rows=None).model
     backends = {b.attn.backend for b in model.layers}
     assert backends == {Backend.CUDA if cuda_kernels else Backend.MLX}, backends
-    got = teacher_forced(model, seq)
+    try:
+        got = teacher_forced(model, seq)
+    except RuntimeError as exc:  # an MLX launch the device refused: say how to find it
+        pytest.fail(f"{family} on {next(iter(backends)).value}: the GPU forward raised {exc}; "
+                    "`bash bench/gpu.sh mlx_ops` runs each MLX op of this path alone at "
+                    "these shapes and names the one that fails")
     agreement = float((got.argmax(-1) == np.array(seq[PROMPT_LEN:])).mean())
     diff = float(np.abs(got - want).max())
     spread = float(want.max() - want.min())

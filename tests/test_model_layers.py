@@ -6,6 +6,9 @@
   as for the CUDA kernel (cuda.enabled() patched on; q4_pack is plain MLX), no GPU needed.
 - On the CUDA path, a family's per-head q/k norms are applied to the fused QKV rows the
   attention kernel reads (the kernel itself is replaced by a recorder).
+- Built as for the GPU's MLX ops (bfloat16, weights kept quantized), a checkpoint with float32
+  4-bit scales still hands only bfloat16 operands to MLX's matmuls (float32 ones took MLX
+  0.32.4's CUDA gather_mm past its shared-memory limit: the gpt-oss GPU test).
 - Models declare their matmuls (`linears`) and arrays; the family objects map checkpoint
   names (GGUF conventions, config keys) both ways.
 """
@@ -106,6 +109,46 @@ def test_cuda_attention_gets_the_qkv_rows_with_normed_heads(
     assert seen["cos"] is rope.cos and rope.size > 3 and seen["window"] is None
     assert seen["sinks"] is None  # qwen3 has no attention sinks
     assert not seen["one_row"] and len(batch.effects) == 1  # its K/V writes are evaluated
+
+
+def test_mlx_ops_on_the_gpu_keep_bfloat16_activations(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's GPU test file (4-bit projections quantized from float32 weights, so float32
+    scales) built as the GPU builds it for MLX ops (bfloat16, weights kept quantized): every
+    matmul of a prefill gets bfloat16 operands. MLX's affine matmul returns the promotion of x's
+    and the scales' dtypes; float32 activations took MLX 0.32.4's CUDA gather_mm past its
+    shared-memory limit (cuGraphAddKernelNode: invalid argument) in the GPU test. Only the
+    graph is built: MLX's CPU gather_mm has no bfloat16 form."""
+    from test_gpu_families import LAYERS, V, write_checkpoint
+
+    from slotserve.model import loader
+
+    path = write_checkpoint("gpt-oss", tmp_path / "gpt-oss")
+    cfg, weights, _ = loader.read_checkpoint(path)
+    model = loader.build_model(cfg, weights, "gpu", path)
+    assert {b.attn.backend for b in model.layers} == {layers.Backend.MLX}
+    seen: list[tuple[str, set[mx.Dtype]]] = []
+
+    def spy(name: str) -> Any:
+        real = getattr(mx, name)
+
+        def op(*args: Any, **kwargs: Any) -> mx.array:
+            seen.append((name, {a.dtype for a in args if isinstance(a, mx.array)
+                                and mx.issubdtype(a.dtype, mx.floating)}))
+            return real(*args, **kwargs)
+
+        return op
+
+    for name in ("gather_mm", "gather_qmm", "quantized_matmul"):
+        monkeypatch.setattr(mx, name, spy(name))
+    n = 88  # the GPU test's prefill: 176 query rows per kv head in attention
+    tokens = mx.arange(n, dtype=mx.int32) * 7 % V
+    model(tokens, layers.Batch.build([(model.new_kv(), 0, n)]), [n - 1])
+    # per layer: QKV, o, two score/value products, two expert products; and the lm_head
+    assert sorted({name for name, _ in seen}) == ["gather_mm", "gather_qmm", "quantized_matmul"]
+    assert len(seen) == 6 * LAYERS + 1
+    wider = [(name, dtypes) for name, dtypes in seen if dtypes != {mx.bfloat16}]
+    assert not wider, wider
 
 
 def _tiny_llama(tied: bool) -> tuple[Any, ModelConfig]:

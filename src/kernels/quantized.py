@@ -29,6 +29,15 @@ class QuantizedWeight:
         )
         return w if dtype is None else w.astype(dtype)
 
+    def with_scales_in(self, dtype: mx.Dtype) -> QuantizedWeight:
+        """The same codes with scales and biases in `dtype`. MLX's affine matmuls return the
+        promotion of the input's and the scales' dtypes: float32 scales (a checkpoint
+        quantized from float32 weights) would make a bfloat16 model's activations float32."""
+        if self.scales.dtype == dtype and self.biases.dtype == dtype:
+            return self
+        return QuantizedWeight(self.weight, self.scales.astype(dtype), self.biases.astype(dtype),
+                               self.group_size, self.bits)
+
     def take_rows(self, order: mx.array) -> QuantizedWeight:
         return QuantizedWeight(
             self.weight[order], self.scales[order], self.biases[order], self.group_size, self.bits

@@ -406,6 +406,15 @@ class Linear(Layer):
         if lib is not None and self.w is not None:
             self.kernel = cpu_gemm.Matrix(self.w, lib)
         self.compute_dtype = compute_dtype
+        if self.q is not None and not self.packable():
+            # MLX's quantized_matmul runs it, and returns the promotion of x's dtype and the
+            # scales': float32 scales (a checkpoint quantized from float32 weights) would
+            # turn every activation after the first matmul float32 (the CUDA kernel takes
+            # bfloat16 copies, q4_pack). On the GPU that is also a launch MLX 0.32.4 cannot
+            # make: its CUDA gather_mm (attention's block_matmul) asks float32 products of
+            # more than 64 rows for 64-96 KiB of shared memory without opting in past 48 KiB
+            # (cuGraphAddKernelNode: invalid argument; gpt-oss on MLX ops, 88-token prefill)
+            self.q = self.q.with_scales_in(compute_dtype)
         if pack:
             self.pack_for_gpu()
 

@@ -40,6 +40,8 @@ class ExpertProj(Layer):
         # gather_qmm still takes each (row, expert) pair as its own one-row product
         if isinstance(weight, Mxfp4Weight) or (keep_quantized
                                                 and isinstance(weight, QuantizedWeight)):
+            if isinstance(weight, QuantizedWeight):  # products in dtype (see Linear)
+                weight = weight.with_scales_in(dtype)
             self.q = _with_spare_expert(weight) if mx.default_device() == mx.gpu else weight
         else:
             dense = (
