@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import jiter
 import openai
 import pytest
 
@@ -186,3 +187,76 @@ def test_streamed_calls_reassemble_to_the_whole(srv: BackgroundServer,
     assert [(n, json.loads(a)) for n, a in a_streamed] == \
         [(n, json.loads(a)) for n, a in a_whole] == \
         [(n, json.loads(a)) for n, a in chat_whole] and a_pieces > 1
+
+
+def test_a_call_cut_by_max_tokens_ends_with_length(srv: BackgroundServer,
+                                                   client: openai.OpenAI) -> None:
+    """A forced call that max_tokens cuts inside its arguments ends with `length` on every
+    surface, streamed and not (Anthropic `max_tokens`, Responses `incomplete` with the call
+    item incomplete): a client must not run a call whose arguments were cut off."""
+    prefix = '<tool_call>\n{"name": "get_weather", "arguments": {"'
+    limit = len(srv.state.ready_engine().tokenizer.encode(prefix, add_special=False)) + 2
+    force = {"type": "function", "function": {"name": "get_weather"}}
+    body = dict(model="m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=limit,
+                tool_choice=force)
+    a_body = dict(model="claude", messages=ASK, temperature=0, max_tokens=limit,
+                  tools=[{"name": "get_weather", "input_schema": SCHEMAS["get_weather"]}],
+                  tool_choice={"type": "tool", "name": "get_weather"})
+    r_body = dict(model="m", input=ASK[0]["content"], temperature=0, max_output_tokens=limit,
+                  tools=[{"type": "function", "name": "get_weather",
+                          "parameters": SCHEMAS["get_weather"]}],
+                  tool_choice={"type": "function", "name": "get_weather"})
+
+    def chat_whole() -> tuple[str, str]:
+        c = client.chat.completions.create(**body).choices[0]
+        (call,) = c.message.tool_calls
+        return c.finish_reason, call.function.arguments
+
+    def chat_streamed() -> tuple[str, str]:
+        reasons, args = [], ""
+        for chunk in client.chat.completions.create(**body, stream=True):
+            for ch in chunk.choices:
+                reasons += [ch.finish_reason] if ch.finish_reason else []
+                args += "".join(tc.function.arguments or "" for tc in ch.delta.tool_calls or [])
+        return reasons[-1], args
+
+    def anthropic_whole() -> tuple[str, dict[str, Any]]:
+        m = httpx.post(srv.url + "/v1/messages", json=a_body, timeout=120).json()
+        (use,) = [b for b in m["content"] if b["type"] == "tool_use"]
+        return m["stop_reason"], use["input"]
+
+    def anthropic_streamed() -> tuple[str, str]:
+        reason, partial = "", ""
+        with httpx.stream("POST", srv.url + "/v1/messages", json={**a_body, "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                ev = json.loads(line[6:]) if line.startswith("data: ") else {}
+                if ev.get("type") == "message_delta":
+                    reason = ev["delta"]["stop_reason"]
+                elif ev.get("type") == "content_block_delta":
+                    partial += ev["delta"].get("partial_json", "")
+        return reason, partial
+
+    def responses_whole() -> tuple[str, str, str]:
+        r = client.responses.create(**r_body)
+        (call,) = r.output
+        return r.status, r.incomplete_details.reason, call.status
+
+    def responses_streamed() -> tuple[str, str]:
+        with client.responses.stream(**r_body) as stream:
+            kinds = [ev.type for ev in stream]
+        r = stream.get_final_response() if "response.completed" in kinds else None
+        return kinds[-1], r.status if r is not None else "incomplete"
+
+    jobs = [chat_whole, chat_streamed, anthropic_whole, anthropic_streamed, responses_whole,
+            responses_streamed]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        (cw, cs, aw, as_, rw, rs) = [j.result() for j in [pool.submit(f) for f in jobs]]
+    assert cw[0] == cs[0] == "length" and cw[1] == cs[1] and cw[1].startswith('{"'), (cw, cs)
+    with pytest.raises(ValueError):
+        json.loads(cw[1])  # cut inside the arguments
+    assert aw[0] == as_[0] == "max_tokens" and as_[1] == cw[1], (aw, as_)
+    # the non-streamed input is what Anthropic's SDK folds the streamed pieces into
+    assert aw[1] == jiter.from_json(as_[1].encode(), partial_mode=True), (aw, as_)
+    assert rw == ("incomplete", "max_output_tokens", "incomplete")
+    assert rs[0] == "response.incomplete"

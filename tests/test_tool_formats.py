@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import jiter
 import llguidance
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vocabularies import smollm2
 
+from slotserve.api.harmony import HarmonyParser
+from slotserve.api.pythonic import PythonicParser
+from slotserve.api.qwen_xml import QwenXmlParser
 from slotserve.api.tool_formats import (
     GEMMA4,
     HERMES,
@@ -29,6 +34,7 @@ from slotserve.api.tool_formats import (
     no_call_grammar,
     parse_pythonic,
     parse_reply,
+    partial_json,
     syntax_for_template,
 )
 from slotserve.api.tools import ToolChoice
@@ -182,6 +188,51 @@ def test_forcing_grammar_accepts_its_calls_only(syntax: CallSyntax) -> None:
     assert not accepts(good.replace('{"city": "Oslo"}', '{"town": "Oslo"}'))
     named = call_grammar(syntax, TOOLS, ToolChoice("function", "now"), False, {})
     assert "get_weather" not in named
+
+
+OSLO_CALL = '{"city": "Oslo", "days": [1, 2]}'
+WHOLE_CALLS: list[tuple[str, Any, str, str]] = [  # (name, parser factory, a call, its cut)
+    ("hermes", lambda: CallParser(HERMES),
+     f'<tool_call>\n{{"name": "get_weather", "arguments": {OSLO_CALL}}}\n</tool_call>',
+     '"city": "Os'),
+    ("mistral", lambda: CallParser(MISTRAL),
+     f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {OSLO_CALL}}}]', '"days": [1'),
+    ("gemma4", lambda: CallParser(GEMMA4),
+     '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>', 'Os'),
+    ("pythonic", PythonicParser, '[get_weather(city="Oslo", days=[1, 2])]', 'days=['),
+    ("qwen_xml", lambda: QwenXmlParser(None),
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+     "</function>\n</tool_call>", "Os"),
+    ("harmony", HarmonyParser,
+     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+     f"{OSLO_CALL}<|call|>", '"days"'),
+]
+
+
+@pytest.mark.parametrize("name, parser, text, cut_after", WHOLE_CALLS,
+                         ids=[c[0] for c in WHOLE_CALLS])
+def test_a_reply_that_ends_inside_a_call_is_cut(name: str, parser: Any, text: str,
+                                                cut_after: str) -> None:
+    """A reply cut off inside a call (max_tokens) says so (`cut`, the call's CallClosed):
+    its finish reason is then `length`, not `tool_calls`; a whole call is not cut."""
+    whole = parser()
+    events = whole.feed(text) + whole.finish()
+    assert not whole.cut and [e.cut for e in events if isinstance(e, CallClosed)] == [False]
+    short = parser()
+    end = text.index(cut_after) + len(cut_after)
+    events = short.feed(text[:end]) + short.finish()
+    assert short.cut
+    assert all(e.cut for e in events if isinstance(e, CallClosed))
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": 1, "b": "x', '{"city": "Ber', '{"city"', '{"city": ', '{"a": [1, 2',
+    '{"a": {"b": tr', '{"a": 12', '{"a": "x\\"y', '{"a": "q", "b"', '{"a": 1.', '{',
+    '{"a": [{"b": 1}, {"c": "d"}], "e": nul', '{"a": "}", "b": [', '{"k": "v"}'])
+def test_partial_json_reads_as_the_sdk_does(text: str) -> None:
+    """A cut call's input, non-streamed, is what Anthropic's SDK folds the streamed pieces
+    into (jiter in partial mode: unfinished strings and literals dropped)."""
+    assert partial_json(text) == jiter.from_json(text.encode(), partial_mode=True)
 
 
 def test_no_call_grammar_forbids_the_opener() -> None:

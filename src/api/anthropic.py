@@ -41,7 +41,13 @@ from slotserve.api.schemas import (
 )
 from slotserve.api.sse import with_keepalive
 from slotserve.api.state import AppState
-from slotserve.api.tool_formats import ArgumentsPiece, CallClosed, CallOpened, TextPiece
+from slotserve.api.tool_formats import (
+    ArgumentsPiece,
+    CallClosed,
+    CallOpened,
+    TextPiece,
+    partial_json,
+)
 from slotserve.api.tools import ToolChoice
 
 PATH = "/v1/messages"
@@ -268,8 +274,8 @@ class Answer:
     def feed(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         return self._emit(self.run.events(text))
 
-    def finish(self) -> list[tuple[str, dict[str, Any]]]:
-        return self._emit(self.run.finish()) + list(self.blocks.finish())
+    def finish(self, final: Delta) -> list[tuple[str, dict[str, Any]]]:
+        return self._emit(self.run.finish(final)) + list(self.blocks.finish())
 
     def _emit(self, events: list[ReplyEvent]) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
@@ -287,10 +293,12 @@ class Answer:
         return out
 
     def stop(self, final: Delta) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence) for a reply that ended with stop or length."""
-        if self.blocks.calls:
+        """(stop_reason, stop_sequence) for a reply that ended with stop or length:
+        `tool_use` only when every call closed (one cut by max_tokens is `max_tokens`)."""
+        reason = self.run.finish_reason(final, self.blocks.calls > 0)
+        if reason == "tool_calls":
             return "tool_use", None
-        if final.finish_reason == "length":
+        if reason == "length":
             return "max_tokens", None
         stops = self.run.session.stops
         if stops is not None and stops.matched is not None:
@@ -341,7 +349,7 @@ async def messages(state: AppState, req: MessagesRequest) -> Response:
     if final is None or final.finish_reason not in ("stop", "length"):
         err = engine_failure(final or Delta(finish_reason="error", error="no result"))
         return error_response(err.status, err.message, err.headers)
-    _apply(answer.finish(), content, text_of)
+    _apply(answer.finish(final), content, text_of)
     reason, sequence = answer.stop(final)
     return Response(dumps({
         "id": ids[0], "type": "message", "role": "assistant", "model": ids[1],
@@ -366,8 +374,8 @@ def _apply(events: list[tuple[str, dict[str, Any]]], content: list[dict[str, Any
                 block["text"] = text
             elif block["type"] == "thinking":
                 block["thinking"] = text
-            else:
-                block["input"] = json.loads(text) if text else {}
+            else:  # a call cut by max_tokens: what its written part holds
+                block["input"] = partial_json(text) if text else {}
 
 
 async def _events(state: AppState, run: ChatRun, msg_id: str,
@@ -404,7 +412,7 @@ async def _events(state: AppState, run: ChatRun, msg_id: str,
         err = engine_failure(final or Delta(finish_reason="error", error="stream ended early"))
         yield sse("error", error_payload(err.status, err.message))
         return
-    for kind, ev in answer.finish():
+    for kind, ev in answer.finish(final):
         yield sse(kind, ev)
     reason, sequence = answer.stop(final)
     usage = _usage(run, final)

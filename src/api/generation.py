@@ -296,11 +296,28 @@ class ChatRun:
         pieces = self.splitter.feed(text) if self.splitter is not None else [TextPiece(text)]
         return self._calls(pieces)
 
-    def finish(self) -> list[ReplyEvent]:
+    def finish(self, final: Delta) -> list[ReplyEvent]:
+        """The events of what is still held once the engine's final delta came: a harmony
+        message open at a stop (its <|call|> or <|return|> is a stop token, not text) ended
+        there, one open at max_tokens was cut."""
         if self.harmony is not None:
-            return list(self.harmony.finish())
+            return list(self.harmony.finish(stopped=final.finish_reason == "stop"))
         out = self._calls(self.splitter.finish()) if self.splitter is not None else []
         return out + (self.parser.finish() if self.parser is not None else [])
+
+    @property
+    def cut(self) -> bool:
+        """Whether the reply ended inside a tool call (read after `finish`)."""
+        parser = self.harmony if self.harmony is not None else self.parser
+        return parser is not None and parser.cut
+
+    def finish_reason(self, final: Delta, calls: bool) -> str:
+        """`tool_calls` for a reply whose calls all closed; the engine's reason (`length`
+        at max_tokens) for one with none, or that ended inside a call: a client must not
+        run a call whose arguments were cut off."""
+        reason = final.finish_reason
+        assert reason is not None
+        return "tool_calls" if calls and not self.cut else reason
 
     def _calls(self, pieces: list[TextPiece | ReasoningPiece]) -> list[ReplyEvent]:
         out: list[ReplyEvent] = []
@@ -487,16 +504,15 @@ async def chat(state: AppState, req: ChatRequest) -> Response:
     if req.stream:
         return stream_response(_chat_events(state, req, run, fmt, rid))
     text, lps, final = await _collect(stream)
-    events = run.events(text) + run.finish()
+    events = run.events(text) + run.finish(final)
     text, calls = split_calls([e for e in events if not isinstance(e, ReasoningPiece)])
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning_of(events):
         message["reasoning_content"] = reasoning_of(events)
-    reason = final.finish_reason
     if calls:
         message["content"] = text if text.strip() else None
         message["tool_calls"] = [c.to_openai() for c in calls]
-        reason = "tool_calls"
+    reason = run.finish_reason(final, bool(calls))
     choice_obj = {"index": 0, "message": message, "finish_reason": reason,
                   "logprobs": {"content": fmt.chat(lps, req.top_logprobs)}
                   if req.logprobs else None}
@@ -564,9 +580,9 @@ async def _chat_events(state: AppState, req: ChatRequest, run: ChatRun,
         yield _error_event(final)
         yield DONE
         return
-    for chunk in emit(run.finish()):
+    for chunk in emit(run.finish(final)):
         yield chunk
-    reason = "tool_calls" if n_calls else final.finish_reason
+    reason = run.finish_reason(final, n_calls > 0)
     yield event(ids.chat_chunk({}, finish_reason=reason, logprobs=lps()))
     if req.include_usage:
         yield event(ids.usage_chunk(final.usage, "chat.completion.chunk"))

@@ -80,16 +80,19 @@ class HarmonyParser(StepParser):
         self._call: tuple[str, str] | None = None  # (id, name) of the call being written
         self._args: list[str] = []
 
-    def finish(self) -> list[HarmonyEvent]:
+    def finish(self, stopped: bool = False) -> list[HarmonyEvent]:
         """End of the reply: a header left open is given back as text; a call being written
-        ends with the arguments written so far."""
+        ends with the arguments written so far. `stopped`: the reply ended on a stop token
+        (<|call|>, <|return|>: they end the open message, and are no text); otherwise an
+        open message was cut off."""
         out = self._drain(final=True)
         if self.state == "header" and self.buf:
             out.append(TextPiece(self.buf))
+            self.cut = not stopped  # a message's header, unfinished (a call's, may be)
         elif self.state == "content":
             if self.buf:
                 self._content(out, self.buf)
-            self._end_message(out)
+            self._end_message(out, cut=not stopped)
         self.buf, self.state = "", "between"
         return out
 
@@ -185,7 +188,9 @@ class HarmonyParser(StepParser):
         else:  # final, or commentary to no one (a preamble the user sees)
             out.append(TextPiece(text))
 
-    def _end_message(self, out: list[HarmonyEvent]) -> None:
+    def _end_message(self, out: list[HarmonyEvent], cut: bool = False) -> None:
+        """A message ended; a call's closes (`cut`: by the end of the reply, before its
+        <|call|>)."""
         if self._call is None:
             return
         call_id, name = self._call
@@ -197,7 +202,8 @@ class HarmonyParser(StepParser):
         call = ToolCall(name, arguments, call_id)
         self.calls.append(call)
         self._call = None
-        out.append(CallClosed(index, call))
+        out.append(CallClosed(index, call, cut))
+        self.cut = self.cut or cut
 
 
 def template_is_harmony(source: str | None) -> bool:

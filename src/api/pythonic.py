@@ -94,6 +94,9 @@ class PythonicParser(StepParser):
 
     def finish(self) -> list[CallEvent]:
         out = self._drain(final=True)
+        # ended inside the list, before its "]": a call (or a name) left unfinished
+        self.cut = self._call is not None or (self.state == "name"
+                                              and bool(self.held or self.calls))
         if self.state in ("start", "name") and self._call is None and not self.calls:
             if self.held + self.buf:
                 out.append(TextPiece(self.held + self.buf))
@@ -106,7 +109,7 @@ class PythonicParser(StepParser):
                 if self.state == "string":
                     self._emit(out, json.dumps(_decode(self.buf, self._str_quote))[1:-1])
                 self._emit(out, '"')
-            self._close(out)
+            self._close(out, cut=True)
         self.buf, self.held, self.state = "", "", "text"
         return out
 
@@ -323,7 +326,7 @@ class PythonicParser(StepParser):
             self._args.append(piece)
             out.append(ArgumentsPiece(len(self.calls), piece))
 
-    def _close(self, out: list[CallEvent]) -> None:
+    def _close(self, out: list[CallEvent], cut: bool = False) -> None:
         if self._call is None:
             return
         if self._awaiting:  # cut off after a keyword: the arguments stay a JSON object
@@ -335,7 +338,7 @@ class PythonicParser(StepParser):
         index = len(self.calls)
         self.calls.append(call)
         self._call = None
-        out.append(CallClosed(index, call))
+        out.append(CallClosed(index, call, cut))
 
 
 # ---- the forcing grammar -------------------------------------------------------------------

@@ -128,10 +128,11 @@ class QwenXmlParser(StepParser):
         if self.state == "value":
             self._end_value(out, self.buf)
             self.buf = ""
-        if self._call is not None:
-            self._close(out)
+        if self._call is not None:  # ended before </function>
+            self._close(out, cut=True)
         elif self.state in ("region", "function") and (self.raw or self.buf):
             out.append(TextPiece(self.raw + self.buf))
+            self.cut = True
         elif self.buf:
             out.append(TextPiece(self.buf))
         self.buf, self.raw, self.state = "", "", "text"
@@ -339,7 +340,7 @@ class QwenXmlParser(StepParser):
             self._args.append(piece)
             out.append(ArgumentsPiece(len(self.calls), piece))
 
-    def _close(self, out: list[CallEvent]) -> None:
+    def _close(self, out: list[CallEvent], cut: bool = False) -> None:
         assert self._call is not None
         self._emit(out, "}" if self._n_params else "{}")
         call_id, name = self._call
@@ -347,7 +348,8 @@ class QwenXmlParser(StepParser):
         index = len(self.calls)
         self.calls.append(call)
         self._call = None
-        out.append(CallClosed(index, call))
+        out.append(CallClosed(index, call, cut))
+        self.cut = self.cut or cut
 
 
 # ---- the forcing grammar -------------------------------------------------------------------

@@ -126,7 +126,8 @@ class Output:
             elif isinstance(e, CallClosed):
                 index = len(self.items) - 1
                 item = self.items[index]
-                item.update(arguments="".join(self._parts[index]), status="completed")
+                item.update(arguments="".join(self._parts[index]),
+                            status="incomplete" if e.cut else "completed")
                 out += [{"type": "response.function_call_arguments.done",
                          "item_id": item["id"], "output_index": index, "name": item["name"],
                          "arguments": item["arguments"]},
@@ -264,7 +265,10 @@ class Reply:
                 **self.req.echo}
 
     def status(self, final: Delta) -> str:
-        return "incomplete" if final.finish_reason == "length" else "completed"
+        """`incomplete` at max_output_tokens, unless the reply's calls all closed (a
+        reply of tool calls is complete: the agent runs them, as chat's `tool_calls`)."""
+        reason = self.run.finish_reason(final, self.output.calls > 0)
+        return "incomplete" if reason == "length" else "completed"
 
     def keep(self) -> None:
         if self.req.store:
@@ -300,7 +304,7 @@ async def create(state: AppState, req: ResponsesRequest) -> Response:
             parts.append(d.text)
     if final is None or final.finish_reason not in ("stop", "length"):
         raise engine_failure(final or Delta(finish_reason="error", error="no result"))
-    reply.output.feed(run.events("".join(parts)) + run.finish())
+    reply.output.feed(run.events("".join(parts)) + run.finish(final))
     reply.output.finish()
     reply.keep()
     return json_response(reply.body(reply.status(final), final))
@@ -340,7 +344,7 @@ async def _events(reply: Reply) -> AsyncIterator[bytes]:
         err = engine_failure(final or Delta(finish_reason="error", error="stream ended early"))
         yield send({"type": "response.failed", "response": reply.body("failed", final, err)})
         return
-    for ev in reply.output.feed(run.finish()) + reply.output.finish():
+    for ev in reply.output.feed(run.finish(final)) + reply.output.finish():
         yield send(ev)
     reply.keep()
     status = reply.status(final)

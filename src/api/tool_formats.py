@@ -166,6 +166,8 @@ class ArgumentsPiece:
 class CallClosed:
     index: int
     call: ToolCall  # the whole call: its arguments are the pieces joined
+    # the reply ended inside the call (max_tokens, a stop): its arguments are what was written
+    cut: bool = False
 
 
 CallEvent = TextPiece | CallOpened | ArgumentsPiece | CallClosed
@@ -184,9 +186,14 @@ def _partial_prefix(buf: str, marker: str) -> int:
 
 class StepParser(ABC):
     """The loop every streaming call parser shares: generated text is held in `buf` and the
-    parser's state machine advanced (`_step`) until it can do no more with what is held."""
+    parser's state machine advanced (`_step`) until it can do no more with what is held.
+
+    `cut` is set by `finish` when the reply ended inside a call (its arguments unfinished, or
+    a call region given back as text because it never closed): such a reply's finish reason
+    is the engine's (`length` at max_tokens), not `tool_calls`."""
 
     buf: str
+    cut: bool = False
 
     def feed(self, text: str) -> list[Any]:
         self.buf += text
@@ -233,9 +240,11 @@ class CallParser(StepParser):
         with the arguments written so far."""
         out = self._drain(final=True)
         if self.state == "args":
-            self._close(out)
+            self._close(out, cut=True)
         elif self.state == "raw" or (self.state == "region" and self.buf.strip()):
             self._end_raw(out, self.raw + self.buf)
+            # a region that should have closed, given back as text: the reply ended in it
+            self.cut = self.cut or (bool(self.syntax.closer) and isinstance(out[-1], TextPiece))
         elif self.buf and self.state in ("text", "start"):
             out.append(TextPiece(self.buf))
         self.buf, self.state = "", "text"
@@ -378,7 +387,7 @@ class CallParser(StepParser):
             return True
         return False
 
-    def _close(self, out: list[CallEvent]) -> None:
+    def _close(self, out: list[CallEvent], cut: bool = False) -> None:
         assert self._call is not None
         call_id, name = self._call
         text = "".join(self._args).strip()
@@ -396,7 +405,8 @@ class CallParser(StepParser):
             out.append(ArgumentsPiece(index, "{}"))
         self.calls.append(call)
         self._call = None
-        out.append(CallClosed(index, call))
+        out.append(CallClosed(index, call, cut))
+        self.cut = self.cut or cut
 
     def _tail(self, final: bool) -> bool:
         m = self.syntax.tail.match(self.buf, partial=True)
@@ -614,6 +624,44 @@ def split_calls(events: list[CallEvent]) -> tuple[str, list[ToolCall]]:
     """Events of a whole reply -> (its text, its calls)."""
     text = "".join(e.text for e in events if isinstance(e, TextPiece))
     return text, [e.call for e in events if isinstance(e, CallClosed)]
+
+
+def partial_json(text: str) -> Any:
+    """The value the start of a JSON text holds, for a call whose arguments were cut off:
+    open containers closed, an unfinished last string, key or literal dropped
+    (`{"a": 1, "b": "x` -> {"a": 1}), as Anthropic's SDK reads a streamed tool_use input
+    (jiter's partial mode); {} if not even that parses."""
+    closers: list[str] = []
+    cuts: list[tuple[int, str]] = [(0, "")]  # (end, what closes the containers open there)
+    in_str = esc = False
+    for i, c in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+                cuts.append((i + 1, "".join(reversed(closers))))
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            closers.append("}" if c == "{" else "]")
+            cuts.append((i + 1, "".join(reversed(closers))))
+        elif c in "}]":
+            if closers:
+                closers.pop()
+            cuts.append((i + 1, "".join(reversed(closers))))
+        elif c == ",":
+            cuts.append((i, "".join(reversed(closers))))
+    if not in_str:
+        cuts.append((len(text), "".join(reversed(closers))))
+    for end, close in reversed(cuts):  # the longest start that parses
+        try:
+            return json.loads(text[:end] + close)
+        except ValueError:
+            continue
+    return {}
 
 
 def parse_reply(text: str, syntax: CallSyntax) -> tuple[str, list[ToolCall]]:
