@@ -48,9 +48,14 @@ Every position is computed by the same operations in any batch, chunk or resume:
 are pooled per window, attention reads fixed-shape blocks (the W window keys, entries in
 blocks of ENTRY_BLOCK at fixed offsets, summed in order: a masked block adds exact zeros)
 and the indexer's choice is a stable sort of scores that depend on the entry alone (equal
-scores go to the earlier entry; transformers' torch.topk may pick another). So every state
-is canonical (a decode row's bits are a prefill's, checked on the CPU; on the GPU the
-batched matmuls are MLX's) and a snapshot may be taken at any page boundary.
+scores go to the earlier entry; transformers' torch.topk may pick another). Attention and
+the indexer's scores run over tiles of ROW_TILE rows (a segment's rows zero-padded to whole
+tiles), one entry block (ENTRY_BLOCK) or index group (INDEX_GROUP) per product, so every
+matmul a row's output depends on has one shape whatever the segment's length, the chunk
+or the context: MLX's GPU matmuls (cuBLAS) pick their algorithm, and so their rounding, by
+the whole product's shape and batch count, and a segment of 86 rows would otherwise round
+a row's attention unlike one of 150 or a decode step. So every state is canonical (a
+decode row's bits are a prefill's) and a snapshot may be taken at any page boundary.
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
 HASH_MOE, MOE = "hash_moe", "moe"
 ENTRY_BLOCK = 128  # compressed entries per attention / indexer block (fixed shapes)
-INDEX_SCORES = 1 << 27  # indexer scores computed at once, at most (512 MiB of float32)
+ROW_TILE = 8  # rows per attention product (the module doc: fixed shapes on every device)
+INDEX_GROUP = 8 * ENTRY_BLOCK  # compressed entries per indexer score product
 
 
 @dataclass
@@ -437,29 +443,42 @@ def blocks_of(entries: mx.array, size: int) -> mx.array:
     return entries.reshape(*entries.shape[:-2], nb, size, entries.shape[-1])
 
 
+def padded(a: mx.array, rows: int) -> mx.array:
+    """a with zero (False) rows appended up to `rows` rows."""
+    extra = rows - a.shape[0]
+    if extra <= 0:
+        return a
+    return mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), a.dtype)])
+
+
 def attend(q: mx.array, win: mx.array, win_ok: mx.array, comp: mx.array | None,
            comp_ok: mx.array | None, sinks: mx.array, scale: float) -> mx.array:
-    """Each row's heads q [L, H, D] (float32) against its window keys win [L, W, D] and its
-    compressed entries in blocks comp [1 or L, nb, C, D] (ok: visible), one sink logit per
-    head; K = V. Blocks are reduced one by one in order (masked ones add exact zeros)."""
-    s_w = (q @ win.swapaxes(-1, -2)) * scale  # [L, H, W]
+    """One tile's rows' heads q [T, H, D] (float32) against their window keys win [T, W, D]
+    and compressed entries in blocks comp ([nb, C, D] shared by the rows, or [T, nb, C, D]
+    each its own; ok [T, nb, C]: visible), one sink logit per head; K = V. Each block is its
+    own product (the module doc: fixed shapes), reduced one by one in order (masked ones add
+    exact zeros)."""
+    s_w = (q @ win.swapaxes(-1, -2)) * scale  # [T, H, W]
     s_w = mx.where(win_ok[:, None, :], s_w, -mx.inf)
     top = mx.maximum(s_w.max(axis=-1), sinks[None, :])
-    s_c = None
+    blocks: list[mx.array] = []
+    s_c: list[mx.array] = []
     if comp is not None and comp_ok is not None:
-        s_c = (q[:, None] @ comp.swapaxes(-1, -2)) * scale  # [L, nb, H, C]
-        s_c = mx.where(comp_ok[:, :, None, :], s_c, -mx.inf)
-        top = mx.maximum(top, s_c.max(axis=(1, 3)))
+        shared = comp.ndim == 3
+        for b in range(comp.shape[0] if shared else comp.shape[1]):
+            kb = comp[b] if shared else comp[:, b]  # [C, D] or [T, C, D]
+            s = (q @ kb.swapaxes(-1, -2)) * scale  # [T, H, C]
+            s = mx.where(comp_ok[:, b, None, :], s, -mx.inf)
+            top = mx.maximum(top, s.max(axis=-1))
+            blocks.append(kb)
+            s_c.append(s)
     p_w = mx.exp(s_w - top[..., None])
     den = mx.exp(sinks[None, :] - top) + p_w.sum(axis=-1)
     acc = p_w @ win
-    if s_c is not None and comp is not None:
-        p_c = mx.exp(s_c - top[:, None, :, None])
-        pv = p_c @ comp  # [L, nb, H, D]
-        sums = p_c.sum(axis=-1)  # [L, nb, H]
-        for b in range(pv.shape[1]):
-            acc = acc + pv[:, b]
-            den = den + sums[:, b]
+    for kb, s in zip(blocks, s_c, strict=True):
+        p_c = mx.exp(s - top[..., None])
+        acc = acc + p_c @ kb
+        den = den + p_c.sum(axis=-1)
     return acc / den[..., None]
 
 
@@ -572,7 +591,8 @@ class CompressedAttention(layers.Layer):
         key_pos = idx + (start - wsize + 1)
         new: dict[str, mx.array] = {"win": ext[n:]}
         at_fns: list[Callable[[int], dict[str, mx.array]]] = []
-        comp = comp_ok = None
+        comp: mx.array | None = None  # HCA: the entries' blocks, [nb, C, D]
+        ikeys = ents = visible = None
         pos = mx.arange(start, end, dtype=mx.int32)
         if self.comp is not None and self.layout is not None:
             m = self.comp.rate
@@ -601,15 +621,10 @@ class CompressedAttention(layers.Layer):
                 ents = stored[:, : self.hd].astype(mx.float32)
                 visible = (pos + 1) // m  # entries a position may read
                 if self.indexer is None:
-                    comp = blocks_of(ents, ENTRY_BLOCK)[None]
-                    e = mx.arange(comp.shape[1] * ENTRY_BLOCK).reshape(comp.shape[1], -1)
-                    comp_ok = e[None] < visible[:, None, None]
+                    comp = blocks_of(ents, ENTRY_BLOCK)
                 else:
-                    assert iq is not None and iw is not None
                     ikeys = stored[:, self.hd : self.hd + self.index_dim]
-                    comp, comp_ok = self._select(iq, iw, ikeys, ents, visible)
-        out = attend(q.astype(mx.float32), keys, key_pos >= 0, comp, comp_ok, self.sinks,
-                     self.hd ** -0.5)
+        out = self._attend_tiles(q, keys, key_pos >= 0, comp, ikeys, ents, visible, iq, iw)
         out = self.rope.apply(out.astype(self.dtype), pos, inverse=True)
         state = LayerState({**st, **new})
         rec.put(self.index, end, state)
@@ -625,20 +640,49 @@ class CompressedAttention(layers.Layer):
                 batch.effects.extend(ls.parts.values())
         return out
 
+    def _attend_tiles(self, q: mx.array, keys: mx.array, win_ok: mx.array,
+                      comp: mx.array | None, ikeys: mx.array | None, ents: mx.array | None,
+                      visible: mx.array | None, iq: mx.array | None,
+                      iw: mx.array | None) -> mx.array:
+        """attend() over the segment's rows, ROW_TILE at a time (zero-padded to whole tiles:
+        the module doc), each tile's compressed entries the HCA blocks `comp` or the
+        indexer's choice from `ikeys`; [L, H, D] float32."""
+        n = q.shape[0]
+        rows = -(-n // ROW_TILE) * ROW_TILE
+        q, keys, win_ok = (padded(q.astype(mx.float32), rows), padded(keys, rows),
+                           padded(win_ok, rows))
+        vis = None if visible is None else padded(visible, rows)
+        if ikeys is not None:
+            assert iq is not None and iw is not None
+            iq, iw = padded(iq, rows), padded(iw, rows)
+        outs = []
+        for t in range(0, rows, ROW_TILE):
+            r = slice(t, t + ROW_TILE)
+            blocks = ok = None
+            if comp is not None and vis is not None:
+                e = mx.arange(comp.shape[0] * ENTRY_BLOCK).reshape(comp.shape[0], -1)
+                blocks, ok = comp, e[None] < vis[r, None, None]
+            elif ikeys is not None and ents is not None and vis is not None:
+                assert iq is not None and iw is not None
+                blocks, ok = self._select(iq[r], iw[r], ikeys, ents, vis[r])
+            outs.append(attend(q[r], keys[r], win_ok[r], blocks, ok, self.sinks,
+                               self.hd ** -0.5))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+        return out[:n]
+
     def _select(self, iq: mx.array, iw: mx.array, ikeys: mx.array, ents: mx.array,
                 visible: mx.array) -> tuple[mx.array, mx.array]:
-        """The Lightning Indexer: each row's `index_topk` entries by
-        sum_h w_h relu(q_h . k) (future entries excluded), as blocks [L, nb, C, D] and
-        their validity [L, nb, C]."""
-        kb = blocks_of(ikeys.astype(mx.float32), ENTRY_BLOCK).swapaxes(-1, -2)  # [nb, I, C]
-        q = iq.astype(mx.float32)[:, None]
-        # the [L, blocks, Hi, C] products a few blocks at a time (a long context's prefill
-        # chunk would need gigabytes at once); each block's bits are the same either way
-        step = max(1, INDEX_SCORES // (q.shape[0] * self.index_heads * ENTRY_BLOCK))
+        """The Lightning Indexer for one tile's rows: each row's `index_topk` entries by
+        sum_h w_h relu(q_h . k) (future entries excluded), as blocks [T, nb, C, D] and
+        their validity [T, nb, C]. The scores come INDEX_GROUP entries a product (zero
+        keys past the last entry), so each product's shape is the same for any context."""
+        groups = blocks_of(ikeys.astype(mx.float32), INDEX_GROUP)  # [ng, G, I]
+        t, heads = iq.shape[0], self.index_heads
+        q = iq.astype(mx.float32).reshape(t * heads, self.index_dim)
         scores = []
-        for b in range(0, kb.shape[0], step):
-            s = mx.maximum(q @ kb[None, b : b + step], 0.0) * self.index_dim ** -0.5
-            scores.append((s * iw[:, None, :, None]).sum(axis=2).reshape(q.shape[0], -1))
+        for g in range(groups.shape[0]):
+            s = mx.maximum(q @ groups[g].T, 0.0) * self.index_dim ** -0.5  # [T * Hi, G]
+            scores.append((s.reshape(t, heads, -1) * iw[:, :, None]).sum(axis=1))
         score = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=1)
         e = mx.arange(score.shape[1])
         score = mx.where(e[None] < visible[:, None], score, -mx.inf)
@@ -649,8 +693,8 @@ class CompressedAttention(layers.Layer):
         chosen = mx.argsort(-score, axis=-1)[:, :k]  # stable: ties by entry order
         ok = chosen < visible[:, None]
         n = ents.shape[0]
-        padded = mx.concatenate([ents, mx.zeros((1, ents.shape[1]), ents.dtype)])
-        picked = padded[mx.where(ok, chosen, n)]  # [L, k, D]
+        with_zero = mx.concatenate([ents, mx.zeros((1, ents.shape[1]), ents.dtype)])
+        picked = with_zero[mx.where(ok, chosen, n)]  # [T, k, D]
         size = min(k, ENTRY_BLOCK)
         return (picked.reshape(picked.shape[0], -1, size, picked.shape[-1]),
                 ok.reshape(ok.shape[0], -1, size))
