@@ -13,13 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import mlx.core as mx
 import pytest
 from engine_harness import PROMPTS, EngineHarness, alone, together, wait_until
-from engine_harness import alternating_options as options
 from model_rows import rows_invariance
-from test_hybrid_engine import LONG, _lines, _settled
+from test_hybrid_engine import LONG, _settled, check_preempted_resume
 
 from slotserve.kernels.attention import BLOCK
 from slotserve.model import deltanet
@@ -104,46 +102,16 @@ def test_a_settled_follow_up_equals_cold(harness: EngineHarness) -> None:
 
 
 def test_a_preempted_request_resumes_with_its_own_tokens(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    """tests/test_hybrid_engine.py's preemption case on the GPU: the younger request steps
-    back for a page and resumes with the tokens and logprobs it gives alone."""
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_hybrid_engine.py's preemption case on the GPU (its check_preempted_resume,
+    one body for both): the younger request steps back mid-decode for a page and resumes
+    with the tokens and logprobs it gives alone; which request crosses into its second page
+    first is fixed by the prompts' lengths, not by the device's speed."""
     path = Path(tmp_path_factory.mktemp("tiny-qwen3.5-moe-preempt"))
     synth("tiny-qwen3.5-moe", path, "mlx4")
     h = EngineHarness(path, device="gpu", max_slots=2, max_queue=8, prefill_budget=48,
                       kv_reserve_tokens=0)
     try:
-        engine = h.engine
-        adm = engine.admission
-        prompts = [engine.render_chat([{"role": "user", "content": _lines(n)}])
-                   for n in (4, 5)]
-        assert len(prompts[0]) + 10 < len(prompts[1]) < BLOCK - 20
-        opts = [{**options(1), "max_tokens": BLOCK + 12 - len(prompts[0]), "logprobs": True},
-                {**options(0), "max_tokens": BLOCK + 40 - len(prompts[1]), "logprobs": True}]
-        alone = []
-        for p, o in zip(prompts, opts, strict=True):
-            engine.drop_retained()
-            alone.append(h.call(lambda p=p, o=o: engine.complete(p, **o)))
-        assert wait_until(lambda: _settled(engine), 120)
-        engine.drop_retained()
-        adm.budget_pages = 2 * adm.floor_pages + 3
-
-        async def together() -> list[Any]:
-            out: list[Any] = [None] * len(prompts)
-
-            async def one(i: int) -> None:
-                out[i] = await engine.complete(prompts[i], **opts[i])
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-                    await anyio.sleep(0.01)
-            return out
-
-        both = h.call(together)
-        assert sum(adm.preemptions.values()) > 0
-        for a, b in zip(alone, both, strict=True):
-            assert b.finish_reason == "length", b.error
-            assert b.token_ids == a.token_ids
-            assert [lp.logprob for lp in b.logprobs] == [lp.logprob for lp in a.logprobs]
+        check_preempted_resume(h, monkeypatch)
     finally:
         h.close()

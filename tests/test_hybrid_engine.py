@@ -175,50 +175,72 @@ def test_a_follow_up_resumes_past_the_previous_turns_generated_tokens(
     assert warm.token_ids == cold.token_ids
 
 
-def test_a_preempted_request_resumes_with_its_own_tokens(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+def check_preempted_resume(h: EngineHarness, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests that cross into a second page on a budget that holds only one more
     page: the younger (longer prompt) crosses first and takes it, the older one then needs
-    one, so the younger steps back, resumes (its decoded positions recomputed in the
-    recurrent form, as its decode steps ran them) and finishes with exactly the tokens it
-    produces alone."""
+    one, so the younger steps back mid-decode, resumes (its decoded positions recomputed in
+    the recurrent form, as its decode steps ran them) and finishes with exactly the tokens
+    and logprobs it produces alone. (The GPU twin, tests/test_gpu_hybrid.py, runs this too.)
+
+    Nothing here depends on the machine's speed: both requests are submitted in one turn of
+    the event loop (arrival order 0, 1; the engine places both before its first step) and
+    each step decodes one token a row, so which one crosses first is fixed by the lengths:
+    the younger needs BLOCK - len(prompt 1) decoded tokens, 10+ fewer than the older, more
+    than the steps its longer prefill takes. Admission's suspend is watched, so the test
+    fails unless exactly the younger stepped back, with tokens decoded and tokens left."""
+    engine = h.engine
+    adm = engine.admission
+    prompts = [_ids(engine, _lines(4)), _ids(engine, _lines(5))]
+    assert BLOCK - 48 < len(prompts[0]) < len(prompts[1]) - 10 < BLOCK - 20, \
+        [len(p) for p in prompts]
+    # (logprobs: the logits' bits, which a token can hide, must match too)
+    opts = [{**options(1), "max_tokens": BLOCK + 12 - len(prompts[0]),  # seeded
+             "logprobs": True},
+            {**options(0), "max_tokens": BLOCK + 40 - len(prompts[1]),  # greedy
+             "logprobs": True}]
+    alone = []
+    for p, o in zip(prompts, opts, strict=True):
+        engine.drop_retained()
+        alone.append(h.call(lambda p=p, o=o: engine.complete(p, **o)))
+    assert wait_until(lambda: _settled(engine), 120)
+    engine.drop_retained()
+    adm.budget_pages = 2 * adm.floor_pages + 3
+    stepped_back: list[tuple[int, int]] = []  # (request, tokens it had generated)
+    suspend = adm.suspend
+
+    def watched(slot: Any, request: Any, progress: Any, *rest: Any) -> None:
+        if not request.background:
+            stepped_back.append((prompts.index(request.prompt_ids), progress.generated))
+        suspend(slot, request, progress, *rest)
+
+    monkeypatch.setattr(adm, "suspend", watched)
+
+    async def both_at_once() -> list[Any]:
+        out: list[Any] = [None] * len(prompts)
+
+        async def one(i: int) -> None:
+            out[i] = await engine.complete(prompts[i], **opts[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):  # one loop turn, no clock between: 0 is older
+                tg.start_soon(one, i)
+        return out
+
+    both = h.call(both_at_once)
+    assert len(stepped_back) == 1 and stepped_back[0][0] == 1, \
+        f"want the younger request to step back once, got (request, generated) {stepped_back}"
+    assert 0 < stepped_back[0][1] < opts[1]["max_tokens"], stepped_back
+    for i, (a, b) in enumerate(zip(alone, both, strict=True)):
+        assert b.finish_reason == "length", (i, b.error)
+        assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+        assert [lp.logprob for lp in b.logprobs] == [lp.logprob for lp in a.logprobs]
+
+
+def test_a_preempted_request_resumes_with_its_own_tokens(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     path = make_tiny_qwen3_5(Path(tmp_path_factory.mktemp("qwen3_5_preempt")))
     h = EngineHarness(path, max_slots=2, max_queue=8, prefill_budget=24, kv_reserve_tokens=0)
     try:
-        engine = h.engine
-        adm = engine.admission
-        prompts = [_ids(engine, _lines(4)), _ids(engine, _lines(5))]
-        assert BLOCK - 48 < len(prompts[0]) < len(prompts[1]) - 10 < BLOCK - 20
-        # (logprobs: the logits' bits, which a token can hide, must match too)
-        opts = [{**options(1), "max_tokens": BLOCK + 12 - len(prompts[0]),  # seeded
-                 "logprobs": True},
-                {**options(0), "max_tokens": BLOCK + 40 - len(prompts[1]),  # greedy
-                 "logprobs": True}]
-        alone = []
-        for p, o in zip(prompts, opts, strict=True):
-            engine.drop_retained()
-            alone.append(h.call(lambda p=p, o=o: engine.complete(p, **o)))
-        assert wait_until(lambda: _settled(engine), 120)
-        engine.drop_retained()
-        adm.budget_pages = 2 * adm.floor_pages + 3
-
-        async def together() -> list[Any]:
-            out: list[Any] = [None] * len(prompts)
-
-            async def one(i: int) -> None:
-                out[i] = await engine.complete(prompts[i], **opts[i])
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-                    await anyio.sleep(0.01)  # arrival order: 0 oldest
-            return out
-
-        both = h.call(together)
-        assert sum(adm.preemptions.values()) > 0
-        for i, (a, b) in enumerate(zip(alone, both, strict=True)):
-            assert b.finish_reason == "length", (i, b.error)
-            assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
-            assert [lp.logprob for lp in b.logprobs] == [lp.logprob for lp in a.logprobs]
+        check_preempted_resume(h, monkeypatch)
     finally:
         h.close()
