@@ -193,3 +193,32 @@ def test_attention_products_have_one_shape(model: Any, monkeypatch: pytest.Monke
     hd, topk = cfg.head_dim, min(cfg.index_topk, block)
     assert seen["blocks"] == {(block, hd), (tile, topk, hd)}, seen["blocks"]
     assert seen["index"] == {(deepseek_v4.INDEX_GROUP, cfg.index_head_dim)}, seen["index"]
+
+
+def test_bf16_policy_follows_transformers(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's compute policy (bfloat16, quantized weights kept) run on the CPU against
+    transformers in float32: bf16 rounding only, within 5 % of the logits' scale, as
+    tests/test_gpu_deepseek_v4.py asks of the GPU, on the same checkpoint (hash routing and
+    an indexer keeping every entry: no discrete choice for bf16 noise to flip). Catches a
+    value computed in bf16 where transformers keeps float32 without a GPU. MLX's CPU
+    gather_mm takes float32 only; the GPU's bf16 one accumulates in float32 and rounds its
+    result to bf16, which the wrapper does."""
+    from slotserve.model.loader import read_checkpoint
+
+    path, hf = make_checkpoint(tmp_path, mlp_layer_types=["hash_moe"] * 4, index_topk=32)
+    gather_mm = mx.gather_mm
+
+    def bf16_gather_mm(a: mx.array, b: mx.array, *args: Any, **kw: Any) -> mx.array:
+        return gather_mm(a.astype(mx.float32), b.astype(mx.float32), *args, **kw).astype(a.dtype)
+
+    monkeypatch.setattr(mx, "gather_mm", bf16_gather_mm)
+    cfg, weights, _ = read_checkpoint(path)
+    model = deepseek_v4.Model(cfg, weights, mx.bfloat16, True)  # type: ignore[arg-type]
+    n = len(PROMPT)
+    out = model(mx.array(PROMPT), Batch.build([(model.new_kv(), 0, n)]), list(range(n)))
+    assert out is not None and model.dtype == mx.bfloat16
+    ours, ref = np.array(out.astype(mx.float32)), _hf_logits(hf, PROMPT)
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= 0.05 * scale, (np.abs(ours - ref).max(), scale)
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9

@@ -79,12 +79,19 @@ def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -
 def test_bf16_follows_transformers(tmp_path: Path) -> None:
     """The CPU oracle's tiny checkpoint in bfloat16 on the GPU against transformers (float32
     on the CPU): bf16 rounding only, so the logits stay within a few percent of their
-    scale and nearly every row picks the same token."""
+    scale and nearly every row picks the same token.
+
+    Rounding only holds where no discrete choice sits on a tie: with the oracle's top-2 of 8
+    routers and its indexer keeping 4 entries, bf16 noise flips some rows' experts and
+    entries (transformers' own bf16 run is 1.91 off its float32 one there, argmax 83 %), so
+    here every MoE layer routes by hash and the indexer keeps every entry of the prompt
+    (17 < 32); the top-k choices are the oracle's and the engine tests' on the GPU."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from test_deepseek_v4 import PROMPT, make_checkpoint
 
-    path, hf = make_checkpoint(tmp_path)
+    path, hf = make_checkpoint(tmp_path, mlp_layer_types=["hash_moe"] * 4,  # its 4 layers
+                               index_topk=32)
     n = len(PROMPT)
     before = mx.default_device()
     try:
