@@ -227,7 +227,7 @@ fi
 
 if want mlx_ops; then
   stage "mlx_ops: MLX's CUDA ops at gpt-oss's GPU-test shapes, each alone"
-  timeout 120 $PY bench/mlx_cuda_ops.py | tee "$OUT/mlx_ops.log"
+  timeout 240 $PY bench/mlx_cuda_ops.py | tee "$OUT/mlx_ops.log"
 fi
 
 # run a python command under Nsight Compute, GPU time per kernel into $OUT/$1.csv, then
