@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from engine_harness import PROMPTS, EngineHarness, alone, together
 from engine_harness import alternating_options as options
-from model_rows import rows_invariance
+from model_rows import last_logits, rows_invariance
 
 from slotserve.model.layers import Backend, Batch
 from slotserve.tools.synth import synth
@@ -71,6 +71,22 @@ def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -
         lambda: harness.engine.mlx.run(lambda: rows_invariance(model)))
     assert all(chunked), chunked
     assert all(batched), batched
+
+
+def test_logits_are_finite(harness: EngineHarness) -> None:
+    """The shared prompt's last logits are finite, and every matrix of one 4-bit group a row
+    (tiny-gemma4's per-layer projections, 256 x 64) is held dense: MLX 0.32.4's CUDA
+    quantized_matmul took such a matrix to its qmm_sm90 kernel and its rows came back NaN,
+    so the logits were NaN and the whole-vs-cut comparison above failed on NaN != NaN."""
+    model = harness.engine.loaded.model
+    one_group = [lin for lin in model.linears() if lin.q is not None
+                 and lin.q.shape[1] <= lin.q.group_size]
+    assert not one_group, [lin.q.shape for lin in one_group]
+
+    def finite() -> bool:
+        return bool(mx.all(mx.isfinite(last_logits(model, []))).item())
+
+    assert harness.call(lambda: harness.engine.mlx.run(finite))
 
 
 # ---- a Gemma 4 GGUF (the device has no llama.cpp converter: written by the gguf package,

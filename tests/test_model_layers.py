@@ -9,6 +9,8 @@
 - Built as for the GPU's MLX ops (bfloat16, weights kept quantized), a checkpoint with float32
   4-bit scales still hands only bfloat16 operands to MLX's matmuls (float32 ones took MLX
   0.32.4's CUDA gather_mm past its shared-memory limit: the gpt-oss GPU test).
+- Where weights stay quantized (the GPU), a matrix of one quantization group a row is held
+  dense (MLX 0.32.4's CUDA quantized_matmul gave NaN rows for tiny-gemma4's 256 x 64).
 - Models declare their matmuls (`linears`) and arrays; the family objects map checkpoint
   names (GGUF conventions, config keys) both ways.
 """
@@ -149,6 +151,25 @@ def test_mlx_ops_on_the_gpu_keep_bfloat16_activations(tmp_path: Path,
     assert len(seen) == 6 * LAYERS + 1
     wider = [(name, dtypes) for name, dtypes in seen if dtypes != {mx.bfloat16}]
     assert not wider, wider
+
+
+@pytest.mark.parametrize("in_dim, dense", [(64, True), (128, False)])
+def test_one_group_rows_are_held_dense_where_weights_stay_quantized(in_dim: int,
+                                                                   dense: bool) -> None:
+    """Built as for the GPU (bfloat16, weights kept quantized), a 4-bit matrix whose rows are
+    one 64-wide group (tiny-gemma4's per-layer projection, 256 x 64) is held dense: MLX 0.32's
+    CUDA quantized_matmul sends exactly such matrices to its qmm_sm90 kernel, whose rows came
+    back NaN on the H200 (tests/test_gpu_gemma4.py); a wider one stays quantized. Either way
+    the product is the dequantized codes' (bfloat16 rounding)."""
+    q = _q4(256, in_dim, 3)
+    lin = layers.Linear(q, mx.bfloat16, keep_quantized=True)
+    assert (lin.q is None, lin.w is not None) == (dense, dense)
+    assert lin.w is None or lin.w.dtype == mx.bfloat16
+    x = mx.random.normal((5, in_dim), key=mx.random.key(4)).astype(mx.bfloat16)
+    got = lin(x)
+    want = x.astype(mx.float32) @ q.dequantize(mx.float32).T
+    assert got.dtype == mx.bfloat16 and got.shape == (5, 256)
+    assert float(mx.abs(got.astype(mx.float32) - want).max()) < 0.05 * float(mx.abs(want).max())
 
 
 def _tiny_llama(tied: bool) -> tuple[Any, ModelConfig]:

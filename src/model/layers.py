@@ -369,15 +369,26 @@ def _use_cpu_kernel(compute_dtype: mx.Dtype, keep_quantized: bool) -> bool:
             and mx.default_device() == mx.cpu)
 
 
+def one_group_rows(weight: QuantizedWeight) -> bool:
+    """Whether each row of the matrix is one quantization group or less (in_dim <=
+    group_size): such a matrix is held dense even where weights stay quantized. MLX 0.32's
+    CUDA quantized_matmul sends exactly these to its qmm_sm90 kernel (supports_qmm_sm90 asks
+    group_size >= K), whose rows came back NaN on the H200 (tiny-gemma4's 64-wide per-layer
+    projection, 256 x 64: the first NaN of that model's forward, and the start-up probe's
+    row floor 256 for it); dense, it holds at most group_size values a row."""
+    return weight.shape[1] <= weight.group_size
+
+
 class Linear(Layer):
     """y = x W^T (+ b), with W kept dense or affine-quantized.
 
     CPU: dense W in the narrowest float type that holds its values exactly (dequantized
     GGUF weights are exact in float16) through slotserve's own kernel
     (slotserve.kernels.cpu_gemm), 4/8-bit W through cpu_qgemm, or W in float32 through
-    MLX/OpenBLAS when those kernels are unavailable. GPU: quantized tensors stay quantized;
-    4-bit ones run through slotserve's batch-invariant CUDA kernel (slotserve.kernels.cuda)
-    when it applies, the rest through MLX's matmuls. A bias (Qwen2's q/k/v, `attention_bias`
+    MLX/OpenBLAS when those kernels are unavailable. GPU: quantized tensors stay quantized
+    (except those of one quantization group a row, `one_group_rows`: dense); 4-bit ones run
+    through slotserve's batch-invariant CUDA kernel (slotserve.kernels.cuda) when it
+    applies, the rest through MLX's matmuls. A bias (Qwen2's q/k/v, `attention_bias`
     / `mlp_bias` checkpoints) is one MLX add after whichever matmul ran, before the residual
     (HF's order: (x W^T + b) + residual), the same on every backend.
     """
@@ -395,7 +406,7 @@ class Linear(Layer):
         lib = native.library() if _use_cpu_kernel(compute_dtype, keep_quantized) else None
         self.kernel: cpu_gemm.HostMatmul | None = None
         if isinstance(weight, QuantizedWeight):
-            if keep_quantized:
+            if keep_quantized and not one_group_rows(weight):
                 self.q = weight
             elif lib is not None and cpu_qgemm.supported(weight):
                 self.kernel = cpu_qgemm.QMatrix(weight, lib)  # stays 4/8-bit in memory
