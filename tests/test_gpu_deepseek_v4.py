@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from engine_harness import PROMPTS, EngineHarness, alone, together
 from engine_harness import alternating_options as options
-from model_rows import rows_invariance
+from model_rows import PROMPT as ROWS_PROMPT
+from model_rows import rows_invariance, step
 
+from slotserve.model import layers
 from slotserve.model.families import deepseek_v4
 from slotserve.model.layers import Batch
 from slotserve.model.loader import load
@@ -72,8 +74,67 @@ def test_model_rows_do_not_depend_on_batch_or_chunking(harness: EngineHarness) -
     model = harness.engine.loaded.model
     chunked, batched = harness.call(
         lambda: harness.engine.mlx.run(lambda: rows_invariance(model, ([64], [33, 97, 130]))))
-    assert all(chunked), chunked
+    where = "" if all(chunked) else harness.call(
+        lambda: harness.engine.mlx.run(lambda: first_divergence(model, [64])))
+    assert all(chunked), (chunked, where)
     assert all(batched), batched
+
+
+def at(out: mx.array, row: int) -> mx.array | None:
+    """out's row `row`, if it has one (a head over the logit rows alone has not)."""
+    return out[row] if out.shape[0] > row else None
+
+
+# what first_divergence records of each call, in call order: (class, method, the value at
+# the prompt's last position, from the call's output)
+WATCHED: list[tuple[type, str, Any]] = [
+    (deepseek_v4.HyperConnection, "__call__", lambda out, row: at(out[2], row)),
+    (layers.Linear, "__call__", at),
+    (deepseek_v4.Compressor, "run",
+     lambda out, row: None if out[0] is None else out[0][-1]),  # the last closed window
+    (deepseek_v4.CompressedAttention, "_attend_tiles", at),
+    (deepseek_v4.CompressedAttention, "__call__", at),
+    (deepseek_v4.RoutedMoE, "__call__", at),
+]
+
+
+def first_divergence(model: Any, cuts: list[int]) -> str:
+    """The diagnosis of a failed chunking check: the first value, in call order, of the
+    forward that computes PROMPT's last position, whose bits differ between the prompt
+    prefilled whole and cut at `cuts` (each watched call's output at that position)."""
+    prompt = ROWS_PROMPT
+    runs: list[list[tuple[str, np.ndarray]]] = []
+    last = {"row": -1}  # the last position's row in the forward now running (-1: none)
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in WATCHED]
+
+    def spy(cls: type, name: str, real: Any, pick: Any) -> Any:
+        def call(self: Any, *args: Any, **kw: Any) -> Any:
+            out = real(self, *args, **kw)
+            if last["row"] >= 0:
+                value = pick(out, last["row"])
+                if value is not None:
+                    where = f"{cls.__name__}.{name} layer {getattr(self, 'index', '?')}"
+                    runs[-1].append((where, np.array(value.astype(mx.float32))))
+            return out
+        return call
+
+    try:
+        for (cls, name, real), (_, _, pick) in zip(originals, WATCHED, strict=True):
+            setattr(cls, name, spy(cls, name, real, pick))
+        for cut in ([], cuts):
+            runs.append([])
+            kv, start = model.new_kv(), 0
+            for end in [*cut, len(prompt)]:
+                last["row"] = len(prompt) - 1 - start if end == len(prompt) else -1
+                step(model, prompt[start:end], [(kv, start, end - start)], [end - start - 1])
+                start = end
+    finally:
+        for cls, name, real in originals:
+            setattr(cls, name, real)
+    for i, ((where, a), (_, b)) in enumerate(zip(*runs, strict=False)):
+        if a.shape != b.shape or not np.array_equal(a, b):
+            return f"call {i} ({where}) differs first: max |diff| {np.abs(a - b).max()}"
+    return f"no watched value differs ({len(runs[0])} and {len(runs[1])} calls)"
 
 
 def test_bf16_follows_transformers(tmp_path: Path) -> None:
