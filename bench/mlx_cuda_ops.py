@@ -18,6 +18,12 @@ should be ok.
 
     python3 bench/mlx_cuda_ops.py        # or: bash bench/gpu.sh mlx_ops
 
+One more case is tiny-gemma4's (tests/test_gpu_gemma4.py): its per-layer projection, 256 x
+64 in 4-bit group 64, is one quantization group a row, the only shape MLX 0.32's CUDA
+quantized_matmul sends to qmm_sm90 (supports_qmm_sm90: group_size >= K); that model's logits
+came out NaN, first in that projection's rows, so slotserve's Linear now holds such matrices
+dense. The case FAILS where MLX's rows there are NaN/inf or off the dequantized product.
+
 Prints one line per op: `ok`, or `FAILS` with MLX's message (exit status 0 either way; it
 reports, the test decides). Needs only MLX; seconds with MLX's kernel cache restored, up
 to about two minutes where its NVRTC compiles the kernels first.
@@ -70,6 +76,24 @@ def _gather_qmm_mxfp4(dtype: mx.Dtype, out: int, inner: int) -> mx.array:
                          group_size=32, bits=4, mode="mxfp4")
 
 
+def _one_group_rows(rows: int) -> mx.array:
+    """MLX's quantized_matmul of a matrix whose rows are one 4-bit group (tiny-gemma4's per-layer
+    projection, 256 x 64, bf16 scales): raises where a row is NaN/inf or off the product of the
+    dequantized codes by more than bf16 rounding."""
+    w = mx.random.normal((256, 64), key=mx.random.key(0)) * 0.125
+    q, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    scales, biases = scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
+    x = mx.random.normal((rows, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    y = mx.quantized_matmul(x, q, scales, biases, transpose=True, group_size=64, bits=4)
+    want = x.astype(mx.float32) @ mx.dequantize(q, scales, biases, group_size=64,
+                                                bits=4).astype(mx.float32).T
+    bad = int(mx.sum(~mx.isfinite(y)).item())
+    err = float(mx.abs(y.astype(mx.float32) - want).max().item())
+    if bad or err > 0.05 * float(mx.abs(want).max().item()):
+        raise ValueError(f"{bad} NaN/inf of {y.size}, max |error| {err:.3g}")
+    return y
+
+
 def _router_top_k() -> mx.array:
     probs = mx.softmax(mx.random.normal((R, EXPERTS)), axis=-1)
     return mx.argpartition(probs, kth=EXPERTS - TOP_K, axis=-1)[:, EXPERTS - TOP_K:]
@@ -91,6 +115,10 @@ CASES = {
     "gather_qmm mxfp4 down bf16": lambda: _gather_qmm_mxfp4(BF16, H, INTER),
     "gather_qmm mxfp4 down f32": lambda: _gather_qmm_mxfp4(F32, H, INTER),
     "router top-k (argpartition)": _router_top_k,
+    "quantized_matmul 256x64 g64, one group a row, x256 (tiny-gemma4)":
+        lambda: _one_group_rows(256),
+    "quantized_matmul 256x64 g64, one group a row, x150 (tiny-gemma4)":
+        lambda: _one_group_rows(150),
 }
 
 
