@@ -684,6 +684,7 @@ class CompressedAttention(layers.Layer):
             s = mx.maximum(q @ groups[g].T, 0.0) * self.index_dim ** -0.5  # [T * Hi, G]
             scores.append((s.reshape(t, heads, -1) * iw[:, :, None]).sum(axis=1))
         score = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=1)
+        score = score[:, : ikeys.shape[0]]  # the sort is stable: its width changes no choice
         e = mx.arange(score.shape[1])
         score = mx.where(e[None] < visible[:, None], score, -mx.inf)
         k = self.topk
