@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from slotserve.model import layers
 from slotserve.model.families import deepseek_v4
 from slotserve.model.layers import Batch
 from slotserve.model.loader import load
@@ -222,3 +223,25 @@ def test_bf16_policy_follows_transformers(tmp_path: Path,
     scale = np.abs(ref).max()
     assert np.abs(ours - ref).max() <= 0.05 * scale, (np.abs(ours - ref).max(), scale)
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_every_matmul_sees_the_row_floor(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up probe pads every row batch to the row count from which the device's
+    matmuls round a row alike however many there are (8 on the H200; 1 on this CPU, where
+    so a short one cannot show): a prefill and a decode step of two sequences, every Linear
+    of it (the hyper-head's over the logit rows too) takes at least that many rows."""
+    floor = 8
+    monkeypatch.setattr(layers, "LINEAR_ROW_FLOOR", floor)
+    rows: list[tuple[int, tuple[int, ...]]] = []
+    call = layers.Linear.__call__
+
+    def spy(self: layers.Linear, x: mx.array, *args: Any, **kw: Any) -> mx.array:
+        rows.append((x.shape[0], tuple(self.w.shape) if self.w is not None else ()))
+        return call(self, x, *args, **kw)
+
+    monkeypatch.setattr(layers.Linear, "__call__", spy)
+    a, b = model.new_kv(), model.new_kv()
+    mx.eval(model(mx.array(PROMPT[:3]), Batch.build([(a, 0, 3)]), [2]))
+    mx.eval(model(mx.array(PROMPT[:2]), Batch.build([(a, 3, 1), (b, 0, 1)]), [0, 1]))
+    short = sorted({(r, w) for r, w in rows if r < floor})  # (rows, weight shape)
+    assert rows and not short, short

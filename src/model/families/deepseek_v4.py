@@ -932,7 +932,10 @@ class Model(decoder.Decoder):
             return None
         h = h[mx.array(logit_rows, dtype=mx.int32)]
         flat = plain_norm(h.reshape(h.shape[0], -1).astype(mx.float32), self.config.rms_norm_eps)
-        pre = mx.sigmoid(self.head_fn(flat) * self.head_scale + self.head_base) + self.config.hc_eps  # type: ignore[attr-defined]
+        # padded like every row batch: on the GPU a product of fewer rows than the probe's
+        # floor rounds otherwise (a sequence's logits would depend on how many others ask)
+        mixes = self.head_fn(layers.pad_rows(flat))[: h.shape[0]]
+        pre = mx.sigmoid(mixes * self.head_scale + self.head_base) + self.config.hc_eps  # type: ignore[attr-defined]
         x = (pre[..., None] * h.astype(mx.float32)).sum(axis=1).astype(h.dtype)
         x = weighted_norm(x, self.norm.weight, self.config.rms_norm_eps)  # type: ignore[attr-defined]
         return self.lm_head(layers.pad_rows(x))[: len(logit_rows)].astype(mx.float32)
