@@ -233,6 +233,8 @@ class Slot(Actor[SlotMessage]):
             session.tell(TokenEvent(s.token, lp))
             if self.matcher is not None and self._grammar_done():
                 return
+            if self.matcher is not None:
+                self.matcher = self.matcher.current()
             if self.generated >= req.max_tokens:
                 self._finish("length")
                 self.batcher.tell(NoWork(self.id))

@@ -72,6 +72,8 @@ from slotserve.api.tool_formats import (
 from slotserve.api.tools import ToolChoice, tool_listing, with_system_text
 from slotserve.engine import Engine, EngineClosedError
 from slotserve.runtime.grammar import Grammar, compile_lark, compile_response_format
+from slotserve.runtime.thinking import CLOSE as THINK_CLOSE
+from slotserve.runtime.thinking import ThinkingLimit
 
 # ---- admission -----------------------------------------------------------------------------
 
@@ -392,11 +394,10 @@ def chat_prompt(state: AppState, engine: Engine, messages: list[dict[str, Any]],
     return engine.render_chat(messages, tools, prefill=prefill, **(template_args or {}))
 
 
-async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, Any]] | None,
-                       choice: ToolChoice, parallel: bool,
-                       thinking_open: bool = False) -> Grammar | None:
-    """The grammar that makes the tool choice hold: a forced choice allows only calls (of
-    the named tool), "none" forbids the call syntax; "auto" (or no tools) is free (None).
+def tool_lark(state: AppState, tools: list[dict[str, Any]] | None, choice: ToolChoice,
+              parallel: bool, thinking_open: bool = False) -> str | None:
+    """The grammar (Lark) that makes the tool choice hold: a forced choice allows only calls
+    (of the named tool), "none" forbids the call syntax; "auto" (or no tools) is free (None).
     `thinking_open`: the prompt ends inside a <think> block, which a forced reply closes
     first."""
     if not tools or choice.mode == "auto":
@@ -426,6 +427,12 @@ async def tool_grammar(state: AppState, engine: Engine, tools: list[dict[str, An
             return None
     if thinking_open and choice.forced and syntax is not HARMONY:
         lark = closed_first(lark, state.special_ids)
+    return lark
+
+
+async def compiled_lark(state: AppState, engine: Engine, lark: str) -> Grammar:
+    """A tool (or reasoning budget) grammar, compiled off the event loop once and kept:
+    agents send the same tools every turn."""
     cached = state.grammars.get(lark)
     if cached is not None:
         state.grammars.move_to_end(lark)
@@ -462,9 +469,19 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
         raise bad_request(str(exc), "messages") from None
     thinking_open = state.template_thinks and prompt_opens_thinking(
         engine.tokenizer.decode(ids[-8:]))
-    grammar = await tool_grammar(state, engine, tools, choice, parallel_calls, thinking_open)
-    if grammar is not None:
-        options = {**options, "response_format": grammar}
+    lark = tool_lark(state, tools, choice, parallel_calls, thinking_open)
+    if lark is not None:
+        options = {**options, "response_format": await compiled_lark(state, engine, lark)}
+    budget = thinking.budget_tokens if thinking is not None and thinking.enabled else None
+    fmt = options.get("response_format")
+    # a forced call closes the reasoning at once, and a JSON response_format leaves no room
+    # for any: nothing to budget then
+    structured = isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
+    if budget is not None and state.template_thinks and not structured \
+            and not (lark is not None and choice.forced):
+        inner = fmt if isinstance(fmt, Grammar) else None
+        options = {**options, "response_format": thinking_limit(engine, budget, thinking_open,
+                                                                inner)}
     options = await compile_grammar(engine, clamp_max_tokens(engine, ids, options))
     session = submit(state, engine, ids, options, "messages")
     stream = open_stream(state, engine, session)
@@ -482,6 +499,17 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     if state.template_thinks:  # the template may have opened the block in the prompt
         splitter = ReasoningSplitter(thinking_open)
     return ChatRun(engine, session, stream, parser, ids, splitter)
+
+
+def thinking_limit(engine: Engine, budget: int, opened: bool,
+                   inner: Grammar | None) -> ThinkingLimit:
+    """The row constraint that ends a `<think>` block after `budget` tokens (Anthropic's
+    `thinking.budget_tokens`): `</think>` and the blank line forced there, as the template
+    writes them, then the answer (under the tool choice's grammar, `inner`, if any)."""
+    tok = engine.tokenizer
+    close = tok.encode(f"{THINK_CLOSE}\n\n", add_special=False, parse_special=True)
+    return ThinkingLimit(budget, close, opened=opened, decode=tok.decode,
+                         vocab_size=tok.vocab_size, inner=inner)
 
 
 def clamp_max_tokens(engine: Engine, ids: list[int], options: dict[str, Any]) -> dict[str, Any]:

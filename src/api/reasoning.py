@@ -155,13 +155,15 @@ class Thinking:
 def template_options(source: str | None, thinking: Thinking | None) -> dict[str, Any]:
     """The chat template's own reasoning switches for `thinking`: gpt-oss's `reasoning_effort`
     (low / medium / high), Qwen3's and Qwen3.5's `enable_thinking`. A template with neither
-    gets nothing, and the request's setting is ignored with a log line; so is a thinking
-    budget, which no template takes (the model's reasoning is not cut at a token count)."""
+    gets nothing, and the request's setting is ignored with a log line. A thinking budget is
+    enforced in the row for `<think>` templates (`runtime.thinking`); gpt-oss's template takes
+    it as a level."""
     if thinking is None:
         return {}
     text = source or ""
-    if thinking.budget_tokens is not None:
-        log.info("thinking budget not enforced", budget_tokens=thinking.budget_tokens)
+    if thinking.budget_tokens is not None and not template_thinks(source):
+        log.info("thinking budget not enforced: no <think> blocks in the chat template",
+                 budget_tokens=thinking.budget_tokens)
     if "reasoning_effort" in text:
         effort = thinking.effort
         if effort is None and thinking.enabled is not None:

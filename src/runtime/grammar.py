@@ -172,6 +172,11 @@ class Matcher:
         """Complete: nothing but a stop token may follow (also true in the error state)."""
         return self._m.is_stopped()
 
+    def current(self) -> Matcher | None:
+        """The matcher the row goes on with after a token (a thinking budget that has done its
+        part hands back the request's own grammar: `runtime.thinking`)."""
+        return self
+
     @property
     def error(self) -> str | None:
         """Why the match failed, as a response may say it. A parser limit reached (the
