@@ -158,42 +158,37 @@ def test_attention_products_have_one_shape(model: Any, monkeypatch: pytest.Monke
     product's shape and batch count: the H200 gave a prompt's last logits other bits
     prefilled whole than cut at 64 while the CPU did not. So attention and the indexer's
     scores take a segment's rows in tiles of ROW_TILE and the entries a block (an index
-    group) a product: the shapes they see are the same for a whole prefill, a cut one and
-    a decode step, whatever the lengths (recorded here on the CPU, where the bits happen
+    group) a product: a whole prefill, cut ones and a decode step issue products of the
+    same few shapes, whatever the lengths (recorded here on the CPU, where the bits happen
     to agree either way)."""
-    seen: dict[str, set[tuple[int, ...]]] = {"rows": set(), "blocks": set(), "index": set()}
-    attend, select = deepseek_v4.attend, deepseek_v4.CompressedAttention._select
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    product = deepseek_v4.product
 
-    def spy_attend(q: mx.array, win: mx.array, win_ok: mx.array, comp: mx.array | None,
-                   comp_ok: mx.array | None, *rest: Any) -> mx.array:
-        seen["rows"].update({q.shape[:1], win.shape[:1], win_ok.shape[:1]})
-        if comp is not None and comp_ok is not None:
-            seen["rows"].add(comp_ok.shape[:1])
-            shared = comp.ndim == 3  # HCA: [nb, C, D]; CSA: each row's own [T, nb, C, D]
-            seen["blocks"].add(comp.shape[1:] if shared else comp.shape[:1] + comp.shape[2:])
-        return attend(q, win, win_ok, comp, comp_ok, *rest)
+    def spy(a: mx.array, b: mx.array) -> mx.array:
+        shapes.append((a.shape, b.shape))
+        return product(a, b)
 
-    def spy_select(self: Any, iq: mx.array, iw: mx.array, ikeys: mx.array, *rest: Any) -> Any:
-        seen["rows"].update({iq.shape[:1], iw.shape[:1]})
-        seen["index"].add(deepseek_v4.blocks_of(ikeys, deepseek_v4.INDEX_GROUP).shape[1:])
-        return select(self, iq, iw, ikeys, *rest)
-
-    monkeypatch.setattr(deepseek_v4, "attend", spy_attend)
-    monkeypatch.setattr(deepseek_v4.CompressedAttention, "_select", spy_select)
-    n = len(PROMPT)
+    monkeypatch.setattr(deepseek_v4, "product", spy)
+    n, runs = len(PROMPT), []
     for cuts in ([], [33], [5, 6, 41]):  # whole; cut inside CSA and HCA windows; 1 row
         kv, start = model.new_kv(), 0
         for end in [*cuts, n]:
             mx.eval(model(mx.array(PROMPT[start:end]), Batch.build([(kv, start, end - start)]),
                           [end - start - 1]))
             start = end
-    mx.eval(model(mx.array(PROMPT[:1]), Batch.build([(kv, n, 1)]), [0]))  # a decode step
-    tile, block = deepseek_v4.ROW_TILE, deepseek_v4.ENTRY_BLOCK
-    assert seen["rows"] == {(tile,)}, seen["rows"]
-    cfg = model.config
-    hd, topk = cfg.head_dim, min(cfg.index_topk, block)
-    assert seen["blocks"] == {(block, hd), (tile, topk, hd)}, seen["blocks"]
-    assert seen["index"] == {(deepseek_v4.INDEX_GROUP, cfg.index_head_dim)}, seen["index"]
+        mx.eval(model(mx.array(PROMPT[:1]), Batch.build([(kv, n, 1)]), [0]))  # a decode step
+        runs.append(set(shapes))
+        shapes.clear()
+    cfg, tile = model.config, deepseek_v4.ROW_TILE
+    hd, w, c = cfg.head_dim, cfg.sliding_window, min(cfg.index_topk, deepseek_v4.ENTRY_BLOCK)
+    heads, hi, di = cfg.num_heads, cfg.index_n_heads, cfg.index_head_dim
+    assert runs[0] == runs[1] == runs[2] == {
+        ((tile, heads, hd), (tile, hd, w)), ((tile, heads, w), (tile, w, hd)),  # window
+        ((tile, heads, hd), (hd, deepseek_v4.ENTRY_BLOCK)),  # an HCA block
+        ((tile, heads, deepseek_v4.ENTRY_BLOCK), (deepseek_v4.ENTRY_BLOCK, hd)),
+        ((tile, heads, hd), (tile, hd, c)), ((tile, heads, c), (tile, c, hd)),  # CSA's
+        ((tile, hi, di), (di, deepseek_v4.INDEX_GROUP)),  # an index group's scores
+    }, runs
 
 
 def test_bf16_policy_follows_transformers(tmp_path: Path,

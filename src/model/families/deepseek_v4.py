@@ -451,14 +451,29 @@ def padded(a: mx.array, rows: int) -> mx.array:
     return mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), a.dtype)])
 
 
+def product(a: mx.array, b: mx.array) -> mx.array:
+    """One tile's matmul a @ b (every attention and indexer product is one of these)."""
+    return a @ b
+
+
+def tiled(a: mx.array, b: mx.array) -> mx.array:
+    """a @ b for rows a [R, ..., m, k] (R a multiple of ROW_TILE) against b [k, n] shared by
+    the rows or b [R, k, n] each row its own, one product a tile of ROW_TILE rows (the
+    module doc: its shape is the tile's whatever R is)."""
+    shared = b.ndim == 2
+    outs = [product(a[t : t + ROW_TILE], b if shared else b[t : t + ROW_TILE])
+            for t in range(0, a.shape[0], ROW_TILE)]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+
 def attend(q: mx.array, win: mx.array, win_ok: mx.array, comp: mx.array | None,
            comp_ok: mx.array | None, sinks: mx.array, scale: float) -> mx.array:
-    """One tile's rows' heads q [T, H, D] (float32) against their window keys win [T, W, D]
-    and compressed entries in blocks comp ([nb, C, D] shared by the rows, or [T, nb, C, D]
-    each its own; ok [T, nb, C]: visible), one sink logit per head; K = V. Each block is its
-    own product (the module doc: fixed shapes), reduced one by one in order (masked ones add
-    exact zeros)."""
-    s_w = (q @ win.swapaxes(-1, -2)) * scale  # [T, H, W]
+    """Each row's heads q [R, H, D] (float32; R a multiple of ROW_TILE) against its window
+    keys win [R, W, D] and its compressed entries in blocks comp ([nb, C, D] shared by the
+    rows, or [R, nb, C, D] each its own; ok [R, nb, C]: visible), one sink logit per head;
+    K = V. Each block is its own product, in tiles of rows (`tiled`), reduced one by one in
+    order (masked ones add exact zeros)."""
+    s_w = tiled(q, win.swapaxes(-1, -2)) * scale  # [R, H, W]
     s_w = mx.where(win_ok[:, None, :], s_w, -mx.inf)
     top = mx.maximum(s_w.max(axis=-1), sinks[None, :])
     blocks: list[mx.array] = []
@@ -466,18 +481,18 @@ def attend(q: mx.array, win: mx.array, win_ok: mx.array, comp: mx.array | None,
     if comp is not None and comp_ok is not None:
         shared = comp.ndim == 3
         for b in range(comp.shape[0] if shared else comp.shape[1]):
-            kb = comp[b] if shared else comp[:, b]  # [C, D] or [T, C, D]
-            s = (q @ kb.swapaxes(-1, -2)) * scale  # [T, H, C]
+            kb = comp[b] if shared else comp[:, b]  # [C, D] or [R, C, D]
+            s = tiled(q, kb.swapaxes(-1, -2)) * scale  # [R, H, C]
             s = mx.where(comp_ok[:, b, None, :], s, -mx.inf)
             top = mx.maximum(top, s.max(axis=-1))
             blocks.append(kb)
             s_c.append(s)
     p_w = mx.exp(s_w - top[..., None])
     den = mx.exp(sinks[None, :] - top) + p_w.sum(axis=-1)
-    acc = p_w @ win
+    acc = tiled(p_w, win)
     for kb, s in zip(blocks, s_c, strict=True):
         p_c = mx.exp(s - top[..., None])
-        acc = acc + p_c @ kb
+        acc = acc + tiled(p_c, kb)
         den = den + p_c.sum(axis=-1)
     return acc / den[..., None]
 
@@ -644,45 +659,37 @@ class CompressedAttention(layers.Layer):
                       comp: mx.array | None, ikeys: mx.array | None, ents: mx.array | None,
                       visible: mx.array | None, iq: mx.array | None,
                       iw: mx.array | None) -> mx.array:
-        """attend() over the segment's rows, ROW_TILE at a time (zero-padded to whole tiles:
-        the module doc), each tile's compressed entries the HCA blocks `comp` or the
-        indexer's choice from `ikeys`; [L, H, D] float32."""
+        """attend() over the segment's rows zero-padded to whole tiles of ROW_TILE (the
+        module doc), their compressed entries the HCA blocks `comp` or the indexer's choice
+        from `ikeys`; [L, H, D] float32."""
         n = q.shape[0]
         rows = -(-n // ROW_TILE) * ROW_TILE
         q, keys, win_ok = (padded(q.astype(mx.float32), rows), padded(keys, rows),
                            padded(win_ok, rows))
-        vis = None if visible is None else padded(visible, rows)
-        if ikeys is not None:
+        blocks = ok = None
+        if comp is not None and visible is not None:
+            e = mx.arange(comp.shape[0] * ENTRY_BLOCK).reshape(comp.shape[0], -1)
+            blocks, ok = comp, e[None] < padded(visible, rows)[:, None, None]
+        elif ikeys is not None and ents is not None and visible is not None:
             assert iq is not None and iw is not None
-            iq, iw = padded(iq, rows), padded(iw, rows)
-        outs = []
-        for t in range(0, rows, ROW_TILE):
-            r = slice(t, t + ROW_TILE)
-            blocks = ok = None
-            if comp is not None and vis is not None:
-                e = mx.arange(comp.shape[0] * ENTRY_BLOCK).reshape(comp.shape[0], -1)
-                blocks, ok = comp, e[None] < vis[r, None, None]
-            elif ikeys is not None and ents is not None and vis is not None:
-                assert iq is not None and iw is not None
-                blocks, ok = self._select(iq[r], iw[r], ikeys, ents, vis[r])
-            outs.append(attend(q[r], keys[r], win_ok[r], blocks, ok, self.sinks,
-                               self.hd ** -0.5))
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+            blocks, ok = self._select(padded(iq, rows), padded(iw, rows), ikeys, ents,
+                                      padded(visible, rows))
+        out = attend(q, keys, win_ok, blocks, ok, self.sinks, self.hd ** -0.5)
         return out[:n]
 
     def _select(self, iq: mx.array, iw: mx.array, ikeys: mx.array, ents: mx.array,
                 visible: mx.array) -> tuple[mx.array, mx.array]:
-        """The Lightning Indexer for one tile's rows: each row's `index_topk` entries by
-        sum_h w_h relu(q_h . k) (future entries excluded), as blocks [T, nb, C, D] and
-        their validity [T, nb, C]. The scores come INDEX_GROUP entries a product (zero
-        keys past the last entry), so each product's shape is the same for any context."""
+        """The Lightning Indexer: each row's `index_topk` entries by sum_h w_h relu(q_h . k)
+        (future entries excluded), as blocks [R, nb, C, D] and their validity [R, nb, C]
+        (R a multiple of ROW_TILE). The scores come INDEX_GROUP entries a product (zero keys
+        past the last entry) in tiles of rows, so each product's shape is the same for any
+        segment and context."""
         groups = blocks_of(ikeys.astype(mx.float32), INDEX_GROUP)  # [ng, G, I]
-        t, heads = iq.shape[0], self.index_heads
-        q = iq.astype(mx.float32).reshape(t * heads, self.index_dim)
+        q = iq.astype(mx.float32)  # [R, Hi, I]
         scores = []
         for g in range(groups.shape[0]):
-            s = mx.maximum(q @ groups[g].T, 0.0) * self.index_dim ** -0.5  # [T * Hi, G]
-            scores.append((s.reshape(t, heads, -1) * iw[:, :, None]).sum(axis=1))
+            s = mx.maximum(tiled(q, groups[g].T), 0.0) * self.index_dim ** -0.5  # [R, Hi, G]
+            scores.append((s * iw[:, :, None]).sum(axis=1))
         score = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=1)
         score = score[:, : ikeys.shape[0]]  # the sort is stable: its width changes no choice
         e = mx.arange(score.shape[1])
@@ -695,7 +702,7 @@ class CompressedAttention(layers.Layer):
         ok = chosen < visible[:, None]
         n = ents.shape[0]
         with_zero = mx.concatenate([ents, mx.zeros((1, ents.shape[1]), ents.dtype)])
-        picked = with_zero[mx.where(ok, chosen, n)]  # [T, k, D]
+        picked = with_zero[mx.where(ok, chosen, n)]  # [R, k, D]
         size = min(k, ENTRY_BLOCK)
         return (picked.reshape(picked.shape[0], -1, size, picked.shape[-1]),
                 ok.reshape(ok.shape[0], -1, size))
