@@ -217,6 +217,12 @@ def test_forcing_grammar_accepts_its_calls_only(harmony_dir: Path) -> None:
     assert not accepts(lark, good.replace("get_weather", "get_time"))
     named = harmony_call_grammar(TOOLS, ToolChoice("function", "add"), specials)
     assert not accepts(named, good)
+    # reasoning first, as gpt-oss does, within its bound (then <|end|> is forced)
+    reasoned = harmony_call_grammar(TOOLS, ToolChoice("required"), specials, 16)
+    thought = "<|channel|>analysis<|message|>The user wants Oslo.<|end|><|start|>assistant"
+    assert accepts(reasoned, thought + good) and accepts(reasoned, good)
+    assert not accepts(lark, thought + good)  # no bound given: straight to the call
+    assert not accepts(reasoned, thought.replace("Oslo.", "Oslo. " + "More. " * 20) + good)
     none = harmony_no_call_grammar(specials)
     assert accepts(none, "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant"
                          "<|channel|>final<|message|>Sunny.")
@@ -242,16 +248,16 @@ def test_forced_call_streams_on_all_three_surfaces(srv: BackgroundServer) -> Non
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
     body: dict[str, Any] = dict(model="gpt-oss", messages=ask, tools=TOOLS, temperature=0,
-                                max_tokens=24, tool_choice={"type": "function",
+                                max_tokens=64, tool_choice={"type": "function",
                                                             "function": {"name": "get_weather"}})
     r_tools = [{"type": "function", **t["function"]} for t in TOOLS]
     r_body: dict[str, Any] = dict(model="gpt-oss", input="Weather in Oslo?", tools=r_tools,
-                                  temperature=0, max_output_tokens=24,
+                                  temperature=0, max_output_tokens=64,
                                   tool_choice={"type": "function", "name": "get_weather"})
     a_tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
                 "input_schema": t["function"]["parameters"]} for t in TOOLS]
     a_body: dict[str, Any] = dict(model="gpt-oss", messages=ask, tools=a_tools, temperature=0,
-                                  max_tokens=24,
+                                  max_tokens=64,
                                   tool_choice={"type": "tool", "name": "get_weather"})
 
     def chat_whole() -> list[tuple[str, Any]]:

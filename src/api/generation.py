@@ -35,6 +35,7 @@ from slotserve.actors.session import Session
 from slotserve.api.completion_bodies import LogprobFormatter, ResponseIds
 from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
+from slotserve.api.gemma4_grammar import gemma4_call_grammar
 from slotserve.api.harmony import HarmonyParser, harmony_call_grammar, harmony_no_call_grammar
 from slotserve.api.limits import chat_texts, refuse_unfit
 from slotserve.api.pythonic import PythonicParser, pythonic_call_grammar
@@ -56,6 +57,7 @@ from slotserve.api.schemas import (
 from slotserve.api.sse import DONE, HEADERS, KEEPALIVE, event, with_keepalive
 from slotserve.api.state import AppState
 from slotserve.api.tool_formats import (
+    GEMMA4,
     HARMONY,
     PYTHONIC,
     QWEN_XML,
@@ -395,24 +397,29 @@ def chat_prompt(state: AppState, engine: Engine, messages: list[dict[str, Any]],
 
 
 def tool_lark(state: AppState, tools: list[dict[str, Any]] | None, choice: ToolChoice,
-              parallel: bool, thinking_open: bool = False) -> str | None:
+              parallel: bool, thinking_open: bool = False,
+              max_tokens: int | None = None) -> str | None:
     """The grammar (Lark) that makes the tool choice hold: a forced choice allows only calls
     (of the named tool), "none" forbids the call syntax; "auto" (or no tools) is free (None).
     `thinking_open`: the prompt ends inside a <think> block, which a forced reply closes
-    first."""
+    first. gpt-oss may reason before a forced call, for up to a quarter of `max_tokens`
+    (the rest is the call's)."""
     if not tools or choice.mode == "auto":
         return None
     syntax = state.call_syntax
     if syntax is HARMONY:
-        lark = (harmony_call_grammar(tools, choice, state.special_ids) if choice.forced
-                else harmony_no_call_grammar(state.special_ids))
+        analysis = (max_tokens or FORCED_ANALYSIS_TOKENS * 4) // 4
+        lark = (harmony_call_grammar(tools, choice, state.special_ids,
+                                     min(analysis, FORCED_ANALYSIS_TOKENS))
+                if choice.forced else harmony_no_call_grammar(state.special_ids))
     elif syntax is QWEN_XML and choice.forced:
         lark = qwen_xml_call_grammar(tools, choice.name if choice.mode == "function" else None,
                                      parallel)
-    elif syntax is PYTHONIC and choice.forced:
+    elif syntax in (PYTHONIC, GEMMA4) and choice.forced:
+        forcing = pythonic_call_grammar if syntax is PYTHONIC else functools.partial(
+            gemma4_call_grammar, specials=state.special_ids)
         try:
-            lark = pythonic_call_grammar(
-                tools, choice.name if choice.mode == "function" else None, parallel)
+            lark = forcing(tools, choice.name if choice.mode == "function" else None, parallel)
         except ValueError as exc:
             raise bad_request(str(exc), "tool_choice", "unsupported_tool_choice") from None
     elif choice.forced:
@@ -448,6 +455,8 @@ async def compiled_lark(state: AppState, engine: Engine, lark: str) -> Grammar:
 
 
 GRAMMAR_CACHE = 64  # compiled tool grammars kept (agents send the same tools every turn)
+# the most gpt-oss may reason before a forced call (a quarter of max_tokens when less)
+FORCED_ANALYSIS_TOKENS = 2048
 
 
 async def start_chat(state: AppState, messages: list[dict[str, Any]],
@@ -469,7 +478,9 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
         raise bad_request(str(exc), "messages") from None
     thinking_open = state.template_thinks and prompt_opens_thinking(
         engine.tokenizer.decode(ids[-8:]))
-    lark = tool_lark(state, tools, choice, parallel_calls, thinking_open)
+    options = clamp_max_tokens(engine, ids, options)
+    lark = tool_lark(state, tools, choice, parallel_calls, thinking_open,
+                     options.get("max_tokens"))
     if lark is not None:
         options = {**options, "response_format": await compiled_lark(state, engine, lark)}
     budget = thinking.budget_tokens if thinking is not None and thinking.enabled else None
@@ -482,7 +493,7 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
         inner = fmt if isinstance(fmt, Grammar) else None
         options = {**options, "response_format": thinking_limit(engine, budget, thinking_open,
                                                                 inner)}
-    options = await compile_grammar(engine, clamp_max_tokens(engine, ids, options))
+    options = await compile_grammar(engine, options)
     session = submit(state, engine, ids, options, "messages")
     stream = open_stream(state, engine, session)
     calls = bool(tools) and choice.mode != "none"

@@ -221,18 +221,25 @@ def _token(text: str, specials: dict[str, int]) -> str:
 
 
 def harmony_call_grammar(tools: list[dict[str, Any]], choice: ToolChoice,
-                         specials: dict[str, int]) -> str:
+                         specials: dict[str, int], analysis_tokens: int = 0) -> str:
     """Lark for a reply that is one call: a commentary message to one of `tools` (just
-    `choice.name` for a named choice), its arguments valid against the tool's schema. The
-    call goes straight to the commentary channel (no analysis first: a forced call is the
-    whole reply); the stop token <|call|> ends it. One call per reply: harmony ends the reply
-    at a call."""
+    `choice.name` for a named choice), its arguments valid against the tool's schema; the
+    stop token <|call|> ends it. With `analysis_tokens`, the model may reason first in an
+    analysis message of at most that many tokens, as gpt-oss does before a call (straight to
+    the call skips the reasoning it was trained to write; the bound leaves the call room in
+    max_tokens, the grammar forcing <|end|> there). One call per reply: harmony ends the
+    reply at a call."""
     fns = [t["function"] for t in tools]
     if choice.mode == "function":
         fns = [f for f in fns if f["name"] == choice.name]
     channel, message = _token(CHANNEL, specials), _token(MESSAGE, specials)
     constrain = _token(CONSTRAIN, specials)
-    rules = ["start: " + " | ".join(f"fn_{i}" for i in range(len(fns)))]
+    rules = ["start: " + ("analysis? call" if analysis_tokens > 0 else "call"),
+             "call: " + " | ".join(f"fn_{i}" for i in range(len(fns)))]
+    if analysis_tokens > 0:
+        rules += [f'analysis: {channel} "analysis" {message} reasoning {_token(END, specials)} '
+                  f'{_token(START, specials)} "assistant"',
+                  f"reasoning[max_tokens={analysis_tokens}]: TEXT", "TEXT: /(?s:.*)/"]
     for i, fn in enumerate(fns):
         schema = {**(fn.get("parameters") or {"type": "object"}), "x-guidance": JSON_STYLE}
         to = json.dumps(f"commentary to=functions.{fn['name']} ")
