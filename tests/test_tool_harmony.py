@@ -355,3 +355,25 @@ def test_reasoning_effort_reaches_the_prompt(srv: BackgroundServer) -> None:
     assert "Reasoning: high\n" in srv.call(prompt(Thinking(effort="high")))
     assert "Reasoning: low\n" in srv.call(prompt(Thinking(enabled=True, budget_tokens=1024)))
     assert "Reasoning: medium\n" in srv.call(prompt(None))
+
+
+def test_thinking_budget_ends_the_analysis(srv: BackgroundServer) -> None:
+    """Anthropic's thinking budget on gpt-oss: the analysis message holds at most that many
+    tokens (the row is given <|end|> there), and the final answer follows; without one the
+    random model's analysis runs to max_tokens."""
+    a_tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    body: dict[str, Any] = dict(model="gpt-oss", max_tokens=32, temperature=0, tools=a_tools,
+                                tool_choice={"type": "none"},
+                                messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    url = srv.url + "/v1/messages"
+    free = httpx.post(url, json=body, timeout=120).json()
+    assert free.get("type") == "message", free
+    assert [b["type"] for b in free["content"]] == ["thinking"], free
+    m = httpx.post(url, json={**body, "thinking": {"type": "enabled", "budget_tokens": 5}},
+                   timeout=120).json()
+    assert [b["type"] for b in m["content"]] == ["thinking", "text"], m
+    thought = m["content"][0]["thinking"]
+    tok = srv.state.ready_engine().tokenizer
+    assert 0 < len(tok.encode(thought, add_special=False)) <= 5
+    assert free["content"][0]["thinking"].startswith(thought) and m["content"][1]["text"]

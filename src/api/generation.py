@@ -36,6 +36,8 @@ from slotserve.api.completion_bodies import LogprobFormatter, ResponseIds
 from slotserve.api.disconnect import ClientLink, client_link
 from slotserve.api.errors import APIError, bad_request, error_body, json_response
 from slotserve.api.gemma4_grammar import gemma4_call_grammar
+from slotserve.api.harmony import ANALYSIS as HARMONY_ANALYSIS
+from slotserve.api.harmony import END as HARMONY_END
 from slotserve.api.harmony import HarmonyParser, harmony_call_grammar, harmony_no_call_grammar
 from slotserve.api.limits import chat_texts, refuse_unfit
 from slotserve.api.pythonic import PythonicParser, pythonic_call_grammar
@@ -397,20 +399,21 @@ def chat_prompt(state: AppState, engine: Engine, messages: list[dict[str, Any]],
 
 
 def tool_lark(state: AppState, tools: list[dict[str, Any]] | None, choice: ToolChoice,
-              parallel: bool, thinking_open: bool = False,
-              max_tokens: int | None = None) -> str | None:
+              parallel: bool, thinking_open: bool = False, max_tokens: int | None = None,
+              budget: int | None = None) -> str | None:
     """The grammar (Lark) that makes the tool choice hold: a forced choice allows only calls
     (of the named tool), "none" forbids the call syntax; "auto" (or no tools) is free (None).
     `thinking_open`: the prompt ends inside a <think> block, which a forced reply closes
     first. gpt-oss may reason before a forced call, for up to a quarter of `max_tokens`
-    (the rest is the call's)."""
+    (the rest is the call's) and no more than the thinking `budget`."""
     if not tools or choice.mode == "auto":
         return None
     syntax = state.call_syntax
     if syntax is HARMONY:
-        analysis = (max_tokens or FORCED_ANALYSIS_TOKENS * 4) // 4
-        lark = (harmony_call_grammar(tools, choice, state.special_ids,
-                                     min(analysis, FORCED_ANALYSIS_TOKENS))
+        analysis = min((max_tokens or FORCED_ANALYSIS_TOKENS * 4) // 4, FORCED_ANALYSIS_TOKENS)
+        if budget is not None:
+            analysis = min(analysis, budget)
+        lark = (harmony_call_grammar(tools, choice, state.special_ids, analysis)
                 if choice.forced else harmony_no_call_grammar(state.special_ids))
     elif syntax is QWEN_XML and choice.forced:
         lark = qwen_xml_call_grammar(tools, choice.name if choice.mode == "function" else None,
@@ -479,20 +482,21 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     thinking_open = state.template_thinks and prompt_opens_thinking(
         engine.tokenizer.decode(ids[-8:]))
     options = clamp_max_tokens(engine, ids, options)
+    budget = thinking.budget_tokens if thinking is not None and thinking.enabled else None
     lark = tool_lark(state, tools, choice, parallel_calls, thinking_open,
-                     options.get("max_tokens"))
+                     options.get("max_tokens"), budget)
     if lark is not None:
         options = {**options, "response_format": await compiled_lark(state, engine, lark)}
-    budget = thinking.budget_tokens if thinking is not None and thinking.enabled else None
     fmt = options.get("response_format")
     # a forced call closes the reasoning at once, and a JSON response_format leaves no room
     # for any: nothing to budget then
     structured = isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
-    if budget is not None and state.template_thinks and not structured \
+    thinks = state.template_thinks or state.call_syntax is HARMONY
+    if budget is not None and thinks and not structured \
             and not (lark is not None and choice.forced):
         inner = fmt if isinstance(fmt, Grammar) else None
-        options = {**options, "response_format": thinking_limit(engine, budget, thinking_open,
-                                                                inner)}
+        options = {**options, "response_format": thinking_limit(
+            state, engine, budget, thinking_open, inner)}
     options = await compile_grammar(engine, options)
     session = submit(state, engine, ids, options, "messages")
     stream = open_stream(state, engine, session)
@@ -512,12 +516,18 @@ async def start_chat(state: AppState, messages: list[dict[str, Any]],
     return ChatRun(engine, session, stream, parser, ids, splitter)
 
 
-def thinking_limit(engine: Engine, budget: int, opened: bool,
+def thinking_limit(state: AppState, engine: Engine, budget: int, opened: bool,
                    inner: Grammar | None) -> ThinkingLimit:
-    """The row constraint that ends a `<think>` block after `budget` tokens (Anthropic's
-    `thinking.budget_tokens`): `</think>` and the blank line forced there, as the template
-    writes them, then the answer (under the tool choice's grammar, `inner`, if any)."""
+    """The row constraint that ends the reasoning after `budget` tokens (Anthropic's
+    `thinking.budget_tokens`): a `<think>` block's `</think>` and the blank line forced there,
+    as the template writes them (gpt-oss: its analysis message's <|end|>, after which it
+    writes its answer's header itself), then the answer (under the tool choice's grammar,
+    `inner`, if any)."""
     tok = engine.tokenizer
+    if state.call_syntax is HARMONY:
+        return ThinkingLimit(budget, [state.special_ids[HARMONY_END]], opened=False,
+                             decode=tok.decode, vocab_size=tok.vocab_size, inner=inner,
+                             opener=HARMONY_ANALYSIS, closer=HARMONY_END)
     close = tok.encode(f"{THINK_CLOSE}\n\n", add_special=False, parse_special=True)
     return ThinkingLimit(budget, close, opened=opened, decode=tok.decode,
                          vocab_size=tok.vocab_size, inner=inner)

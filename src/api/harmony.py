@@ -43,6 +43,7 @@ from slotserve.api.tools import ToolCall, ToolChoice, new_call_id
 START, END, MESSAGE, CHANNEL, CONSTRAIN = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
 CALL, RETURN = "<|call|>", "<|return|>"
+ANALYSIS = CHANNEL + "analysis" + MESSAGE  # how a reply's reasoning message starts
 # what ends a message's content (<|call|> and <|return|> are stop tokens: seen only when a
 # whole past reply is parsed; a message cut short by the end of the reply ends there too)
 _CONTENT_ENDS = (END, CALL, RETURN, START)

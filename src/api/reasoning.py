@@ -156,13 +156,14 @@ def template_options(source: str | None, thinking: Thinking | None) -> dict[str,
     """The chat template's own reasoning switches for `thinking`: gpt-oss's `reasoning_effort`
     (low / medium / high), Qwen3's and Qwen3.5's `enable_thinking`. A template with neither
     gets nothing, and the request's setting is ignored with a log line. A thinking budget is
-    enforced in the row for `<think>` templates (`runtime.thinking`); gpt-oss's template takes
-    it as a level."""
+    enforced in the row (`runtime.thinking`) for `<think>` templates and gpt-oss's analysis
+    channel, whose template also takes it as a level."""
     if thinking is None:
         return {}
     text = source or ""
-    if thinking.budget_tokens is not None and not template_thinks(source):
-        log.info("thinking budget not enforced: no <think> blocks in the chat template",
+    if thinking.budget_tokens is not None and not template_thinks(source) \
+            and "reasoning_effort" not in text:
+        log.info("thinking budget not enforced: the chat template writes no reasoning",
                  budget_tokens=thinking.budget_tokens)
     if "reasoning_effort" in text:
         effort = thinking.effort

@@ -1,6 +1,7 @@
 """A thinking budget, enforced in the row: once a reply has reasoned for `budget` tokens, the
-row's mask allows only the end-of-thinking marker's tokens (`</think>` and the blank line), one
-a step, so the reasoning ends there and the answer follows.
+row's mask allows only the end-of-thinking marker's tokens (`</think>` and the blank line, or
+gpt-oss's `<|end|>` that ends its analysis message), one a step, so the reasoning ends there
+and the answer follows.
 
     limit = ThinkingLimit(1024, close_ids, opened=True, decode=tokenizer.decode,
                           vocab_size=tokenizer.vocab_size, inner=grammar_or_None)
@@ -29,13 +30,15 @@ _WINDOW = 8  # tokens of text kept to find the close marker the model writes its
 
 class ThinkingLimit(Grammar):
     """What a request asks: reason for at most `budget` tokens. `close`: the tokens forced at
-    the budget (`</think>\\n\\n`); `opened`: the prompt ends inside `<think>` (Qwen3.5), else
-    the reply may open the block itself (Qwen3). A Grammar as far as the request is concerned:
-    its `matcher()` constrains the row."""
+    the budget (`</think>\\n\\n`); `opened`: the prompt ends inside the block (Qwen3.5), else
+    the reply may open it itself (Qwen3; gpt-oss's analysis message). `opener` / `closer`:
+    the block's markers as text. A Grammar as far as the request is concerned: its
+    `matcher()` constrains the row."""
 
     def __init__(self, budget: int, close: Sequence[int], *, opened: bool,
                  decode: Callable[[list[int]], str], vocab_size: int,
-                 inner: Grammar | None = None) -> None:
+                 inner: Grammar | None = None, opener: str = OPEN,
+                 closer: str = CLOSE) -> None:
         if budget < 0:
             raise ValueError(f"the thinking budget must be at least 0, got {budget}")
         if not close:
@@ -43,6 +46,7 @@ class ThinkingLimit(Grammar):
         self.kind, self.source = "thinking budget", inner.source if inner else ""
         self.budget, self.close, self.opened = budget, tuple(close), opened
         self.decode, self.inner = decode, inner
+        self.opener, self.closer = opener, closer
         self.stop_ids = inner.stop_ids if inner is not None else frozenset()
         self.vocab_size = inner.vocab_size if inner is not None else vocab_size
 
@@ -85,11 +89,11 @@ class ThinkingMatcher(Matcher):
                 self.phase = "done"
         elif self.phase == "before":
             self.text += self.limit.decode([token])
-            head = self.text.lstrip()
-            if head.startswith(OPEN):
+            head, opener = self.text.lstrip(), self.limit.opener
+            if head.startswith(opener):
                 self.phase = "inside"
-                self._reasoned(token, head[len(OPEN):])
-            elif not OPEN.startswith(head):
+                self._reasoned(token, head[len(opener):])
+            elif not opener.startswith(head):
                 self.phase = "done"  # an answer with no reasoning
         elif self.phase == "inside":
             self._reasoned(token)
@@ -101,10 +105,10 @@ class ThinkingMatcher(Matcher):
         self.window = (self.window + [token])[-_WINDOW:]
         if since is not None:  # the token that opened the block: what follows `<think>`
             self.window = []
-            if CLOSE in since:
+            if self.limit.closer in since:
                 self.phase = "done"
                 return
-        elif CLOSE in self.limit.decode(self.window):
+        elif self.limit.closer in self.limit.decode(self.window):
             self.phase = "done"
             return
         if since is None:
