@@ -241,6 +241,7 @@ class Engine:
             else cfg.kv_reserve_tokens,
             state_interval=cfg.state_snapshot_pages,
             settle_align=getattr(lm.model, "prefill_align", 0) if cfg.settle_passes else 0,
+            step_tokens=cfg.prefill_budget,
         )
         for slot in self.slots:
             slot.placement = self.admission

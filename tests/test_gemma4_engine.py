@@ -14,6 +14,7 @@ from converted import llama_cpp_tree
 from engine_harness import PROMPTS as ALL_PROMPTS
 from engine_harness import EngineHarness, alone, alternating_options, together
 
+from slotserve.actors.admission import window_rows
 from slotserve.kernels.attention import BLOCK
 from slotserve.tools.synth import write_gemma4_tokenizer
 
@@ -78,12 +79,18 @@ def solo(harness: EngineHarness) -> list[Any]:
 
 
 def test_kv_budget_charges_only_layers_that_write_kv(harness: EngineHarness) -> None:
-    """Two sliding layers of 2 x 16 and two global ones of 1 x 32 write K/V; the two shared
-    layers read theirs: a page costs BLOCK positions of those four layers, K and V, f32."""
-    assert harness.engine.loaded is not None and harness.engine.admission is not None
-    assert harness.engine.loaded.config.family == "gemma4"
-    per_position = 2 * 4 * (2 * (2 * 16) + 2 * (1 * 32))
-    assert harness.engine.admission.page_bytes == BLOCK * per_position
+    """Three sliding layers of 2 x 16 and one global of 1 x 32 write K/V; the two shared
+    layers read theirs: a page costs BLOCK positions of the global layer, K and V, f32; the
+    sliding ones are a floor per busy slot, the window rows their window reaches."""
+    engine = harness.engine
+    assert engine.loaded is not None and engine.admission is not None
+    assert engine.loaded.config.family == "gemma4"
+    adm = engine.admission
+    assert adm.page_bytes == BLOCK * 2 * 4 * (1 * 32)
+    pool = adm.cache.pool
+    assert pool.window_bytes == BLOCK * 2 * 4 * (3 * (2 * 16))
+    rows = window_rows(16, engine.config.prefill_budget)
+    assert adm.floor_pages == -(-rows * pool.window_bytes // adm.page_bytes)
 
 
 def test_batch_and_prefix_invariance(harness: EngineHarness, solo: list[Any]) -> None:

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from slotserve.kernels.attention import BLOCK
 from slotserve.model import layers
 from slotserve.model.layers import Batch
 from slotserve.runtime.plain import greedy_tokens
@@ -102,7 +103,13 @@ def test_config_and_pool_follow_the_checkpoint(pair: Any) -> None:
     shapes = [(c.kv_heads_of(i), c.head_dim_of(i)) for i in owners]
     pool = model.new_kv().pool
     assert pool.shapes == shapes
-    assert pool.bytes_per_position == 2 * 4 * sum(a * b for a, b in shapes)
+    # per token the global layers; the sliding ones keep window rows (a floor per slot)
+    sliding = [c.is_sliding(i) for i in owners]
+    assert pool.windowed == frozenset(j for j, s in enumerate(sliding) if s)
+    assert pool.bytes_per_position == 2 * 4 * sum(
+        a * b for (a, b), s in zip(shapes, sliding, strict=True) if not s)
+    assert pool.window_bytes == BLOCK * 2 * 4 * sum(
+        a * b for (a, b), s in zip(shapes, sliding, strict=True) if s)
 
 
 def test_logits_match_all_positions(pair: Any) -> None:

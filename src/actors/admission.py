@@ -19,6 +19,9 @@ positions) governs what is resident. The rule, in full:
   oldest waiting request is itself the youngest, nobody steps back: it waits for the older
   ones to finish. One preemption at a time; queued requests wait while a running one
   waits for a page.
+* **Sliding windows are a floor.** A model's sliding-window layers keep K/V only for the
+  pages their windows reach (slotserve.actors.kv_cache), so a page costs its global
+  layers alone and every busy slot a fixed floor of window rows (`window_rows`).
 * **Refuse only what can never run**: a prompt that does not fit the whole budget alone
   (400). A full queue is a 429 with Retry-After. A request whose own context outgrows the
   whole budget alone (max_tokens left open on a small budget) finishes with "length".
@@ -78,6 +81,13 @@ def pages_for(tokens: int) -> int:
     return -(-tokens // BLOCK)
 
 
+def window_rows(window: int, step_tokens: int) -> int:
+    """The most window rows a busy slot holds (slotserve.model.kv.SlotKV): the pages of the
+    window - 1 positions before a step's rows and of the up to `step_tokens` rows it writes
+    (one more where they straddle a page), and a copied page's source."""
+    return pages_for(window - 1 + step_tokens) + 2
+
+
 def _settle_place(request: GenerationRequest) -> Place:
     """How a settle pass is placed: its tokens go to a sink (slotserve.actors.settle)."""
 
@@ -135,10 +145,11 @@ class Admission:
     def __init__(self, slots: list[Slot], cache: KVCache, *, max_queue: int, kv_budget: int,
                  context_length: int, reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
                  state_interval: int = state_snapshots.DEFAULT_INTERVAL,
-                 settle_align: int = 0) -> None:
+                 settle_align: int = 0, step_tokens: int = DEFAULT_RESERVE_TOKENS) -> None:
         """state_interval: pages between the recurrent-state snapshots the cache keeps, for
         models whose sequences carry a state (Gated DeltaNet layers); settle_align: their
-        prefill alignment, > 0 to run settle passes (slotserve.actors.settle)."""
+        prefill alignment, > 0 to run settle passes (slotserve.actors.settle); step_tokens:
+        the most positions one step writes for a slot (the Batcher's prefill budget)."""
         self.slots = slots
         self.cache = cache
         self.max_queue = max_queue
@@ -155,6 +166,10 @@ class Admission:
             cache.snapshots = state_snapshots.StateSnapshots(
                 slots[0].kv.recurrent.shape.nbytes,  # type: ignore[attr-defined]
                 self.page_bytes, state_interval)
+        pool = cache.pool
+        if pool.windowed:  # sliding-window layers: the rows a step's windows reach, per slot
+            self.floor_pages += -(-window_rows(pool.window, step_tokens) * pool.window_bytes
+                                  // self.page_bytes)
         self.settles = Settles(settle_align) if self.floor_pages and settle_align else None
         self._yielding: set[tuple[int, int]] = set()  # (slot, epoch) of settles told to stop
         self._discard: set[int] = set()  # slots whose settle pass must leave nothing
@@ -364,8 +379,12 @@ class Admission:
         return Growth.WAIT
 
     def written(self, slot: Slot) -> None:
-        """The slot's ledger grew: publish its new full pages."""
+        """The slot's ledger grew: publish its new full pages (and let go of the window rows
+        its next query no longer sees)."""
         self.cache.publish(slot.kv, slot.ledger, slot.chain)
+        if self.cache.windows is not None:
+            self.cache.slide(slot.kv, len(slot.ledger))
+            self.cache.trim(self.budget_pages - self._floors())
 
     def release(self, slot: Slot, ledger: list[int], chain: Chain,
                 settle: bool = False) -> None:

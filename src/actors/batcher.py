@@ -155,6 +155,8 @@ class Batcher(Actor[BatcherMessage]):
     async def _step(self, planned: list[tuple[Address[SlotMessage], RowWork]]) -> None:
         t0 = time.perf_counter()
         work = [w for _, w in planned]
+        for w in work:  # sliding-window layers: rows for the pages these rows write
+            w.kv.open_window(w.start, w.start + len(w.tokens))
         self.awaiting.update(w.slot_id for w in work)
         try:
             out = await self.mlx.run(lambda: self.runner.step(work))

@@ -26,6 +26,19 @@ needs them: `allocate` evicts from the front. Namespace None publishes and finds
 Models whose sequences carry a recurrent state keep snapshots of it beside the pages and
 resume only from one; they publish only pages of cold-prefill bits, and a tail is copied
 from, never taken over (slotserve.actors.state_snapshots).
+
+Models with sliding-window layers (KVPool.windowed) keep those layers' K/V in window rows
+(slotserve.model.kv.Windows): a running sequence holds the rows of the pages its window
+covers (a fixed floor per busy slot in admission's budget) and lets go of each page's row
+once its next query no longer sees the page (`slide`). A row nobody holds stays resident
+while the cache can find its page (`idle_windows`, evicted with the idle pages, least
+recently used first), else it is freed. The rule that keeps reuse exact: a match resumes at
+position P only if every page from the one holding P - window + 1 to the one holding P - 1
+still has its row (then its first query reads exactly the K/V a cold prefill wrote there);
+otherwise it is cut back to the deepest page boundary where that holds (`_reach_window`),
+down to a cold start. A conversation's next turn resumes from its very end (its last
+window's rows stay with its tail and last pages); a request sharing another's prefix
+resumes where the rows of that prefix's end are still resident.
 Everything here runs on the event loop (page bookkeeping only; the arrays grow on the MLX
 thread, see KVPool.ensure_arrays).
 """
@@ -33,6 +46,7 @@ thread, see KVPool.ensure_arrays).
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,7 +156,12 @@ class KVCache:
         self.key_of: dict[int, Key] = {}
         self.full = PageIndex()  # the same full pages, under their parent's key
         self.tails = PageIndex()  # finished sequences' last, unfinished pages
-        self.idle: OrderedDict[int, None] = OrderedDict()  # resident, unheld; LRU first
+        self.idle: OrderedDict[int, int] = OrderedDict()  # resident, unheld; LRU first
+        # pages whose window row nobody holds, kept for a lookup that resumes there (models
+        # with sliding-window layers); LRU first. Both map to when they went idle (`_ticks`)
+        self.idle_windows: OrderedDict[int, int] = OrderedDict()
+        self._ticks = itertools.count()
+        self.windows = pool.windows if pool.windowed else None
         self.evictions: Counter[str] = Counter()
         # recurrent-state snapshots, for models whose sequences carry a state (Admission
         # sets it; see slotserve.actors.state_snapshots)
@@ -152,14 +171,22 @@ class KVCache:
 
     @property
     def resident(self) -> int:
-        """Pages in use or kept for reuse, state snapshots included (what the budget bounds)."""
+        """Pages in use or kept for reuse, state snapshots and window rows nobody holds
+        included, in pages (what the budget bounds; held window rows are in the busy
+        slots' floors)."""
         snapshots = self.snapshots.pages if self.snapshots is not None else 0
-        return self.pool.ids - self.pool.free_count + snapshots
+        return self.pool.ids - self.pool.free_count + snapshots + self.idle_window_pages
 
     @property
     def held(self) -> int:
-        snapshots = self.snapshots.pages if self.snapshots is not None else 0
-        return self.resident - len(self.idle) - snapshots
+        return self.pool.ids - self.pool.free_count - len(self.idle)
+
+    @property
+    def idle_window_pages(self) -> int:
+        """The pages' worth of bytes the idle window rows take."""
+        if not self.idle_windows:
+            return 0
+        return -(-len(self.idle_windows) * self.pool.window_bytes // self.pool.page_bytes)
 
     @property
     def shared(self) -> int:
@@ -172,6 +199,8 @@ class KVCache:
         to be fed (its logits choose the next token); with state snapshots, the longest
         that ends at one (`StateSnapshots.trim`)."""
         match = self._lookup_pages(tokens, namespace)
+        if self.windows is not None:
+            match = self._reach_window(match)
         if self.snapshots is None or namespace is None:
             return match
         parent = match.keys[-1] if match.keys else root_key(namespace)
@@ -220,6 +249,29 @@ class KVCache:
             match.tokens += best
         return match
 
+    def _reach_window(self, match: Match) -> Match:
+        """The match cut back to where every page its first query's window reaches still
+        has its window row (the module doc's rule)."""
+        windows, w = self.windows, self.pool.window
+        assert windows is not None
+
+        def reachable(pages: list[int], end: int) -> bool:
+            first, last = max(0, end - w + 1) // BLOCK, -(-end // BLOCK)
+            return all(windows.has(pages[j]) for j in range(first, last))
+
+        extra = [match.copy[0]] if match.copy is not None else []
+        if reachable([*match.pages, *extra], match.tokens):
+            return match
+        match.copy = None
+        if match.tail is not None:
+            match.pages, match.tail = match.pages[:-1], None
+        depth = len(match.keys)
+        while depth and not reachable(match.pages, depth * BLOCK):
+            depth -= 1
+        match.pages, match.keys, match.tokens = match.pages[:depth], match.keys[:depth], \
+            depth * BLOCK
+        return match
+
     def newly_held(self, match: Match) -> int:
         """Pages of the match nobody holds now (holding them takes budget; a copy's source
         is held until the copy is done)."""
@@ -236,6 +288,11 @@ class KVCache:
         if match.copy is not None:
             self._hold(match.copy[0])
         kv.set_pages(list(match.pages))
+        if self.windows is not None:  # the rows the first query's window reaches
+            end = min(-(-match.tokens // BLOCK), len(match.pages))
+            kv.win_from, kv.win_to = min(kv.window_first(match.tokens), end), end
+            for p in [*kv.window_pages(), *([match.copy[0]] if match.copy else [])]:
+                self._hold_window(p)
         if self.snapshots is not None:
             self.snapshots.start(kv, match, namespace is not None)  # type: ignore[arg-type]
         return Chain(namespace, list(match.keys))
@@ -247,7 +304,46 @@ class KVCache:
             return
         src, n = match.copy
         dst = kv.pages[len(match.pages)]
-        self.post(lambda: self.pool.copy_positions(src, dst, n), lambda: self._let_go(src))
+        if self.windows is not None:  # the copy's own window row (its source's is held)
+            self.windows.attach([dst])
+            kv.win_to = len(match.pages) + 1
+
+        def done() -> None:
+            if self.windows is not None:
+                self._let_window_go(src)
+            self._let_go(src)
+
+        self.post(lambda: self.pool.copy_positions(src, dst, n), done)
+
+    def slide(self, kv: SlotKV, cursor: int) -> None:
+        """kv's next query is at `cursor`: the window rows it no longer sees go idle (their
+        pages published) or are freed."""
+        for page in kv.slide(cursor):
+            self._settle_window(page)
+
+    def _hold_window(self, page: int) -> None:
+        assert self.windows is not None
+        self.idle_windows.pop(page, None)
+        self.windows.hold(page)
+
+    def _let_window_go(self, page: int) -> None:
+        assert self.windows is not None
+        if self.windows.drop(page):
+            self._settle_window(page)
+
+    def _settle_window(self, page: int) -> None:
+        """A window row nobody holds: kept (idle) while the cache can find its page."""
+        assert self.windows is not None
+        if page in self.key_of or page in self.tails:
+            self.idle_windows[page] = next(self._ticks)
+        else:
+            self.windows.detach([page])
+
+    def _free(self, pages: list[int]) -> None:
+        """Free pages nobody holds (an idle window row of theirs goes with them)."""
+        for p in pages:
+            self.idle_windows.pop(p, None)
+        self.pool.free(pages)
 
     def _hold(self, page: int) -> None:
         if page in self.idle:
@@ -265,26 +361,46 @@ class KVCache:
     def _settle(self, page: int) -> None:
         """A page nobody holds: kept (idle) while the cache can find it, else freed."""
         if page in self.key_of or page in self.tails:
-            self.idle[page] = None
+            self.idle[page] = next(self._ticks)
         else:
             self._forget(page)
-            self.pool.free([page])
+            self._free([page])
 
     # ---- growth ---------------------------------------------------------------------
 
     def allocate(self, n: int, budget: int) -> list[int]:
         """n fresh pages: free ids while the resident count stays within `budget`, then the
         least recently used idle pages (evicted: their cache entries dropped)."""
-        while n > 0 and self.resident + n > budget and self.idle:
-            self.evict_one("budget")
+        while n > 0 and self.resident + n > budget and (self.idle or self.idle_windows):
+            self._evict_oldest()
         while n > 0 and self.resident + n > budget and self.snapshots and self.snapshots.any:
             self.snapshots.evict_one()  # snapshots of pages still held: shallower ones stay
         return self.pool.take(n)
 
+    def _evict_oldest(self) -> None:
+        """Make room: first the window row a running sequence passed (its page still held:
+        only a new request resuming exactly there could use it), least recently idle first;
+        then the least recently idle page (its row with it), or a row alone."""
+        passed = next((p for p in self.idle_windows if self.pool.refs[p] > 0), None)
+        if passed is None and self.idle:
+            self.evict_one("budget")
+            return
+        page = passed if passed is not None else next(iter(self.idle_windows))
+        del self.idle_windows[page]
+        assert self.windows is not None
+        self.windows.detach([page])
+        self.evictions["budget"] += 1
+
+    def trim(self, budget: int) -> None:
+        """Evict until what is resident fits `budget` pages again (window rows a running
+        sequence let go of go idle without a page being asked for)."""
+        while self.resident > budget and (self.idle_windows or self.idle):
+            self._evict_oldest()
+
     def evict_one(self, reason: str) -> None:
         page, _ = self.idle.popitem(last=False)
         self._forget(page)
-        self.pool.free([page])
+        self._free([page])
         self.evictions[reason] += 1
 
     def evict_idle(self, pages: list[int]) -> None:
@@ -293,14 +409,17 @@ class KVCache:
             if page in self.idle:
                 del self.idle[page]
                 self._forget(page)
-                self.pool.free([page])
+                self._free([page])
                 self.evictions["dropped"] += 1
 
     def drop_idle(self) -> int:
         """Evict every idle page (forces cold prefills); returns how many."""
-        n = len(self.idle)
+        n = len(self.idle) + self.idle_window_pages
         while self.idle:
             self.evict_one("dropped")
+        if self.windows is not None:
+            self.windows.detach(list(self.idle_windows))
+            self.idle_windows.clear()
         return n
 
     # ---- publishing -------------------------------------------------------------------
@@ -331,7 +450,7 @@ class KVCache:
         """A sequence lets go of its KV: published pages nobody else holds become idle; its
         unfinished last page becomes its chain's tail (namespace None: everything freed)."""
         self.publish(kv, ledger, chain)
-        pages = kv.pages
+        pages, rows = kv.pages, kv.window_pages()
         kv.set_pages([])
         if self.snapshots is not None:
             self._finish_stateful(kv, ledger, chain, pages)
@@ -339,6 +458,9 @@ class KVCache:
             full = len(ledger) // BLOCK
             if len(ledger) % BLOCK and len(pages) > full and chain.namespace is not None:
                 self.tails.add(chain.last_key(), pages[full], list(ledger[full * BLOCK :]))
+        if self.windows is not None:  # its last window's rows stay with their pages
+            for p in rows:
+                self._let_window_go(p)
         for p in self.pool.drop(pages):
             self._settle(p)
 

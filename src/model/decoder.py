@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -166,8 +166,26 @@ class Decoder(Layer):
         """A slot's KV, backed by this model's shared page pool."""
         if self.kv_pool is None:
             c = self.config
-            self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+            self.kv_pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype,
+                                  **self.windowing())
         return SlotKV(self.kv_pool)
+
+    def windowing(self) -> dict[str, Any]:
+        """KVPool's `windowed` and `window`: the pool layers only sliding-window attention
+        reads keep their K/V in window rows (kv.Windows), where some layer is global (a
+        model whose every layer slides keeps paging them all: its budget is in pages)."""
+        kinds: dict[int, set[int | None]] = {}
+        for block in self.layers:
+            attn = getattr(block, "attn", None)
+            if isinstance(attn, Attention):
+                kinds.setdefault(attn.layer, set()).add(attn.window)
+        assert all(len(k) == 1 for k in kinds.values()), "a pool layer read two ways"
+        windows = {i: next(iter(k)) for i, k in kinds.items()}
+        sliding = frozenset(i for i, w in windows.items() if w is not None)
+        sizes = {windows[i] for i in sliding}
+        if not sliding or len(sliding) == len(windows) or len(sizes) != 1:
+            return {}
+        return {"windowed": sliding, "window": int(next(iter(sizes)))}  # type: ignore[arg-type]
 
     def parts(self) -> list[Layer]:
         return [self.embed, *self.layers, self.norm, self.lm_head, *self.ropes]  # type: ignore[list-item]

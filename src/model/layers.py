@@ -48,7 +48,7 @@ from slotserve.kernels.attention import (
     span_for,
 )
 from slotserve.kernels.cpu_attention import RopeTables, RowTables
-from slotserve.model.kv import KVPool, SlotKV
+from slotserve.model.kv import KVPool, SlotKV, rewindow
 from slotserve.model.weights import QuantizedWeight, Tensor
 
 LINEAR_ROW_FLOOR = 1  # raised by the start-up invariance probe when BLAS needs it
@@ -135,6 +135,9 @@ class Batch:
     # kv heads its tables address (0: the pool's); views for layers of other head counts
     kv_heads: int = 0
     views: dict[int, Batch] = field(default_factory=dict)
+    # this step as the pool's sliding-window layers address it (KVPool.windowed: their
+    # arrays hold window rows, kv.Windows), where the pool has such layers
+    window: Batch | None = None
 
     @staticmethod
     def build(parts: list[tuple[SlotKV, int, int]], reserve: bool = True) -> Batch:
@@ -149,8 +152,8 @@ class Batch:
         for kv, start, length in parts:
             if reserve:
                 kv.reserve(start + length)
-            elif start + length > kv.capacity:
-                raise ValueError("no KV page for a speculated row")
+            elif start + length > kv.capacity or not kv.writes_window(start + length):
+                raise ValueError("no KV page (or window row) for a speculated row")
             segs.append(Segment(kv, start, length, row))
             pos.extend(range(start, start + length))
             writes.append(kv.rows_for(start, start + length))
@@ -163,15 +166,48 @@ class Batch:
             batch.write_rows = mx.array(write_rows)
         backend = (attention_backend(batch.pool.dtype, batch.pool.head_dim)
                    if batch.pool is not None else Backend.MLX)
+        tables = None
         if backend is Backend.CPU:
             batch.native = batch._row_tables()
             batch.native.write_rows = write_rows
+            tables = batch.native.tables
         elif backend is Backend.CUDA:
             t = batch._row_tables()
             batch.cuda = (mx.array(t.tables), mx.array(t.row_table), mx.array(t.row_pos))
+            tables = t.tables
         else:
             batch._group()
+        if batch.pool is not None and batch.pool.windowed:
+            assert write_rows is not None
+            batch.window = batch._windowed(write_rows, tables)
         return batch
+
+    def _windowed(self, write_rows: np.ndarray, tables: np.ndarray | None) -> Batch:
+        """The window view (see `window`): the same step with its write rows and tables
+        (the backend's: `tables` for the kernels, else the MLX groups') mapped from page ids
+        to window rows (kv.rewindow); rows, positions, effects and RoPE rows shared."""
+        assert self.pool is not None
+        rows, heads = self.pool.windows.table(), self.pool.num_kv_heads
+
+        def blocks(t: np.ndarray) -> np.ndarray:
+            return rewindow(t, heads, rows)
+
+        w_rows = blocks(write_rows // BLOCK) * BLOCK + write_rows % BLOCK
+        view = replace(self, write_rows=mx.array(w_rows), views={}, window=None,
+                       decode_groups=[], prefill=[])
+        if self.native is not None and tables is not None:
+            n = self.native
+            view.native = RowTables(blocks(tables), n.row_table, n.row_pos, w_rows)
+        elif self.cuda is not None and tables is not None:
+            view.cuda = (mx.array(blocks(tables)), *self.cuda[1:])
+        else:
+            view._group(blocks)
+        return view
+
+    def windowed(self) -> Batch:
+        """This step as a sliding-window layer addresses the pool (itself, where the pool
+        keeps every layer by page)."""
+        return self if self.window is None else self.window
 
     def _row_tables(self) -> RowTables:
         spans = [span_for(s.start + s.length) // BLOCK for s in self.segments]
@@ -184,7 +220,9 @@ class Batch:
         row_pos = np.array(self.positions, dtype=np.int32)
         return RowTables(tables, row_table, row_pos)
 
-    def _group(self) -> None:
+    def _group(self, remap: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """The MLX ops' decode groups and prefill tables (block indices through `remap`:
+        the window view's)."""
         by_span: dict[int, list[Segment]] = {}
         prefill: list[Segment] = []
         for seg in self.segments:
@@ -197,6 +235,7 @@ class Batch:
             rows = [m.row for m in members]
             emitted.extend(rows)
             blocks = np.stack([m.kv.blocks(span) for m in members]).astype(np.int32)
+            blocks = blocks if remap is None else remap(blocks)
             self.decode_groups.append(
                 DecodeGroup(span, mx.array(rows, dtype=mx.int32), mx.array(blocks),
                             [m.start for m in members])
@@ -204,7 +243,8 @@ class Batch:
         for seg in prefill:
             emitted.extend(range(seg.row, seg.row + seg.length))
             span = seg.attention_plan().span
-            self.prefill.append((seg, mx.array(seg.kv.blocks(span)[None].astype(np.int32))))
+            blocks = seg.kv.blocks(span)[None].astype(np.int32)
+            self.prefill.append((seg, mx.array(blocks if remap is None else remap(blocks))))
         emitted.extend(range(self.rows, self.padded_rows))
         if emitted != list(range(len(emitted))):
             inverse = [0] * len(emitted)
@@ -800,7 +840,8 @@ class Attention(Layer):
         """The attention output for norm(x) (x when no norm is given), plus `residual` when
         given (the block's residual stream: the CUDA 4-bit kernel normalizes in the QKV
         projection's launch and adds it in the output projection's)."""
-        return self.o(self._attend(self.qkv(x, norm=norm), batch), residual)
+        view = batch if self.window is None else batch.windowed()
+        return self.o(self._attend(self.qkv(x, norm=norm), view), residual)
 
     def parts(self) -> list[Layer]:
         norms = [] if self.q_norm is None else [self.q_norm, self.k_norm]
@@ -926,7 +967,8 @@ class SharedKVAttention(Attention):
 
     def __call__(self, x: mx.array, batch: Batch, residual: mx.array | None = None,
                  norm: Norm | None = None) -> mx.array:
-        return self.o(self._attend(self.qkv(x, norm=norm), batch.for_heads(self.kv_heads)),
+        view = batch if self.window is None else batch.windowed()
+        return self.o(self._attend(self.qkv(x, norm=norm), view.for_heads(self.kv_heads)),
                       residual)
 
     def parts(self) -> list[Layer]:

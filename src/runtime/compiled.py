@@ -86,8 +86,12 @@ class CompiledDecode:
             rope.reserve(max_pos)
         tables = [t for rope in self.ropes for t in (rope.cos, rope.sin)]
         blocks, row_table, row_pos = batch.cuda
+        window = []  # the sliding-window layers' own write rows and tables (Batch.window)
+        if batch.window is not None:
+            assert batch.window.write_rows is not None and batch.window.cuda is not None
+            window = [batch.window.write_rows, padded_width(batch.window.cuda[0])]
         return [tokens, batch.positions, batch.write_rows, padded_width(blocks), row_table,
-                row_pos, *tables, *pool.keys, *pool.values]
+                row_pos, *tables, *pool.keys, *pool.values, *window]
 
     def _call(self, key: tuple[Any, ...], inputs: list[mx.array], batch: Batch) -> mx.array:
         pool = batch.pool
@@ -166,10 +170,15 @@ class CompiledDecode:
         n_tables = 2 * len(self.ropes)
         pool = copy.copy(real.pool)
         layers = pool.num_layers
-        kv = rest[n_tables:]
+        kv = rest[n_tables : n_tables + 2 * layers]
         pool.keys, pool.values = list(kv[:layers]), list(kv[layers:])
         batch = Batch(real.segments, positions, pool, write_rows,
                       cuda=(tables, row_table, row_pos))
+        if real.window is not None:
+            win_rows, win_tables = rest[n_tables + 2 * layers :]
+            batch.window = Batch(real.segments, positions, pool, win_rows,
+                                 cuda=(win_tables, row_table, row_pos),
+                                 effects=batch.effects, rope_cache=batch.rope_cache)
         saved = [(rope.cos, rope.sin) for rope in self.ropes]
         try:
             for i, rope in enumerate(self.ropes):

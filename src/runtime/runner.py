@@ -162,7 +162,8 @@ class ModelRunner:
         failure just means no speculation (the real step runs everything). Returns the
         indices into `work` of the speculated rows (their tokens are filled in later).
         """
-        picked = [i for i, w in enumerate(work) if w.start + len(w.tokens) < w.kv.capacity]
+        picked = [i for i, w in enumerate(work) if w.start + len(w.tokens) < w.kv.capacity
+                  and w.kv.writes_window(w.start + len(w.tokens) + 1)]
         if not picked:
             return []
         if len(picked) < len(work):

@@ -430,7 +430,7 @@ class Model(decoder.Decoder):
 
     def new_kv(self) -> SlotKV:
         if self.kv_pool is None:
-            self.kv_pool = KVPool.of_shapes(self.kv_shapes, self.dtype)
+            self.kv_pool = KVPool.of_shapes(self.kv_shapes, self.dtype, **self.windowing())
         return SlotKV(self.kv_pool)
 
     def parts(self) -> list[layers.Layer]:
