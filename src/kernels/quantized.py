@@ -33,7 +33,7 @@ class QuantizedWeight:
         """The same codes with scales and biases in `dtype`. MLX's affine matmuls return the
         promotion of the input's and the scales' dtypes: float32 scales (a checkpoint
         quantized from float32 weights) would make a bfloat16 model's activations float32."""
-        if self.scales.dtype == dtype and self.biases.dtype == dtype:
+        if self.scales.dtype != mx.float32:  # float16 (GGUF's block scales): exact, kept
             return self
         return QuantizedWeight(self.weight, self.scales.astype(dtype), self.biases.astype(dtype),
                                self.group_size, self.bits)
