@@ -422,3 +422,18 @@ def _gpt_oss_tensors(gguf_file: Path) -> dict[str, Any]:
         out[f"{e}.down_proj"] = raw[f"{b}.ffn_down_exps.weight"].transpose(0, 2, 1)
         out[f"{e}.down_proj_bias"] = raw[f"{b}.ffn_down_exps.bias"]
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+
+
+AGENT_TEMPLATES = Path(__file__).parent / "fixtures" / "agents" / "templates"
+
+
+def tiny_hf_with_template(family: str, template: str, dest: Path) -> Path:
+    """A copy of tiny_hf(family) under dest whose tokenizer_config carries the chat template
+    tests/fixtures/agents/templates/<template> (e.g. a thinking model's)."""
+    model = dest / "m"
+    shutil.copytree(tiny_hf(family), model)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (AGENT_TEMPLATES / template).read_text()
+    cfg_path.write_text(json.dumps(cfg))
+    return model

@@ -7,7 +7,6 @@ opens the block) through the real server, streamed and not."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from converted import tiny_hf
+from converted import tiny_hf_with_template
 from vocabularies import smollm2
 
 from slotserve.api.app import create_app
@@ -25,7 +24,6 @@ from slotserve.engine import EngineConfig
 from slotserve.runtime.grammar import Matcher, compile_lark
 from slotserve.runtime.thinking import ThinkingLimit
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "agents" / "templates"
 RAMBLE = " the user asks about the weather and I should think about it for a while" * 3
 
 
@@ -99,12 +97,8 @@ def test_budget_zero_and_the_inner_grammar() -> None:
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     """The tiny Qwen3 with Qwen3.5's template, whose prompt opens a <think> block: greedy, it
     never closes the block itself."""
-    model = Path(tmp_path_factory.mktemp("qwen3.5-think")) / "m"
-    shutil.copytree(tiny_hf("qwen3"), model)
-    cfg_path = model / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = (TEMPLATES / "Qwen3.5-4B.jinja").read_text()
-    cfg_path.write_text(json.dumps(cfg))
+    model = tiny_hf_with_template("qwen3", "Qwen3.5-4B.jinja",
+                                  Path(tmp_path_factory.mktemp("qwen3.5-think")))
     server = BackgroundServer(create_app(EngineConfig(model=model, max_slots=2, max_queue=8),
                                          keepalive_interval=0.2)).start()
     yield server

@@ -16,7 +16,7 @@ from typing import Any
 import llguidance
 import openai
 import pytest
-from converted import tiny_hf
+from converted import tiny_hf, tiny_hf_with_template
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vocabularies import smollm2
@@ -240,12 +240,8 @@ def test_forced_calls_stream_and_reassemble(srv: BackgroundServer) -> None:
 @pytest.fixture(scope="module")
 def thinking_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     """The tiny Qwen3 with Qwen3.5's template, whose prompt opens a <think> block."""
-    model = Path(tmp_path_factory.mktemp("qwen3.5")) / "m"
-    shutil.copytree(tiny_hf("qwen3"), model)
-    cfg_path = model / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = (TEMPLATES / "Qwen3.5-4B.jinja").read_text()
-    cfg_path.write_text(json.dumps(cfg))
+    model = tiny_hf_with_template("qwen3", "Qwen3.5-4B.jinja",
+                                  Path(tmp_path_factory.mktemp("qwen3.5")))
     server = BackgroundServer(create_app(EngineConfig(model=model, max_slots=2, max_queue=8),
                                          keepalive_interval=0.2)).start()
     yield server
