@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mlx.core as mx
 import pytest
 from engine_harness import EngineHarness
@@ -173,3 +174,46 @@ def test_a_match_resumes_only_where_its_window_rows_are_resident() -> None:
     del cache.idle_windows[pages[0]]
     pool.windows.detach([pages[0]])
     assert resumes() == 0  # cold
+
+
+def test_preempted_requests_resume_from_their_window_rows(checkpoint: Path) -> None:
+    """Three gemma4 requests whose prompts fill most of two pages and whose answers cross
+    into a third, on a budget that holds three busy slots' floors and two pages each: when
+    they cross, the youngest steps back (its rows go idle with its pages), resumes from
+    its retained pages and rows, and every one gives exactly its tokens alone."""
+    h = EngineHarness(checkpoint, max_slots=3, max_queue=8, kv_reserve_tokens=0,
+                      prefill_budget=48)
+    try:
+        engine, adm = h.engine, h.engine.admission
+        assert adm is not None
+        topics = ("lake", "forest", "desert")
+        prompts = [long_prompt(h, 120, t)[: 2 * BLOCK - 20 + i] for i, t in enumerate(topics)]
+        assert all(len(p) > BLOCK for p in prompts)
+        opts = [GREEDY, {**GREEDY, "temperature": 0.8, "seed": 3}, GREEDY]
+        alone = []
+        for p, o in zip(prompts, opts, strict=True):
+            engine.drop_retained()
+            alone.append(h.call(lambda p=p, o=o: engine.complete(p, **o)))
+        engine.drop_retained()
+        adm.budget_pages = 3 * (2 + adm.floor_pages) + 1
+
+        async def together() -> list[Any]:
+            out: list[Any] = [None] * len(prompts)
+
+            async def one(i: int) -> None:
+                out[i] = await engine.complete(prompts[i], **opts[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+                    await anyio.sleep(0.01)  # arrival order: 0 oldest
+            return out
+
+        both = h.call(together)
+        assert sum(adm.preemptions.values()) > 0
+        for i, (a, b) in enumerate(zip(alone, both, strict=True)):
+            assert b.finish_reason == "length", (i, b.error)
+            assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+        assert engine.kv_summary()["busy"] == 0
+    finally:
+        h.close()
