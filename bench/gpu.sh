@@ -213,7 +213,8 @@ if want tests; then
     "tests/test_attention.py tests/test_device_sampling.py"
   files=${TEST_FILES:-"tests/test_cuda_kernels.py tests/test_gpu.py tests/test_attention.py
     tests/test_device_sampling.py tests/test_gpu_families.py tests/test_gpu_gemma4.py
-    tests/test_gpu_gguf.py tests/test_gpu_hybrid.py tests/test_gpu_deepseek_v4.py"}
+    tests/test_gpu_gguf.py tests/test_gpu_hybrid.py tests/test_gpu_deepseek_v4.py
+    tests/test_gpu_sliding_window.py"}
   : > "$OUT/tests.log"
   for f in $files; do
     (timeout "${TESTS_TIMEOUT:-540}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA "$f" \
