@@ -46,7 +46,6 @@ thread, see KVPool.ensure_arrays).
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -156,11 +155,10 @@ class KVCache:
         self.key_of: dict[int, Key] = {}
         self.full = PageIndex()  # the same full pages, under their parent's key
         self.tails = PageIndex()  # finished sequences' last, unfinished pages
-        self.idle: OrderedDict[int, int] = OrderedDict()  # resident, unheld; LRU first
+        self.idle: OrderedDict[int, None] = OrderedDict()  # resident, unheld; LRU first
         # pages whose window row nobody holds, kept for a lookup that resumes there (models
-        # with sliding-window layers); LRU first. Both map to when they went idle (`_ticks`)
-        self.idle_windows: OrderedDict[int, int] = OrderedDict()
-        self._ticks = itertools.count()
+        # with sliding-window layers); LRU first
+        self.idle_windows: OrderedDict[int, None] = OrderedDict()
         self.windows = pool.windows if pool.windowed else None
         self.evictions: Counter[str] = Counter()
         # recurrent-state snapshots, for models whose sequences carry a state (Admission
@@ -335,7 +333,7 @@ class KVCache:
         """A window row nobody holds: kept (idle) while the cache can find its page."""
         assert self.windows is not None
         if page in self.key_of or page in self.tails:
-            self.idle_windows[page] = next(self._ticks)
+            self.idle_windows[page] = None
         else:
             self.windows.detach([page])
 
@@ -361,7 +359,7 @@ class KVCache:
     def _settle(self, page: int) -> None:
         """A page nobody holds: kept (idle) while the cache can find it, else freed."""
         if page in self.key_of or page in self.tails:
-            self.idle[page] = next(self._ticks)
+            self.idle[page] = None
         else:
             self._forget(page)
             self._free([page])
