@@ -351,7 +351,9 @@ class SlotKV:
 
     @property
     def nbytes(self) -> int:
-        return len(self.pages) * self.pool.page_bytes
+        """Its pages' bytes and its window rows'."""
+        rows = (self.win_to - self.win_from) * self.pool.window_bytes
+        return len(self.pages) * self.pool.page_bytes + rows
 
     def set_pages(self, pages: list[int]) -> None:
         """Hold exactly these pages (the engine's cache hands them out and takes them back;
