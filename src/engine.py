@@ -542,14 +542,22 @@ class Engine:
 
     def kv_summary(self) -> dict[str, Any]:
         """Where the KV budget goes: bytes (used = resident pages, busy = committed to running
-        requests), pages by state, and preemptions and evictions by reason."""
+        requests), pages by state, and preemptions and evictions by reason; for a model with
+        sliding-window layers, their rows (held by running requests, idle)."""
         adm = self.admission
         assert adm is not None
         cache = adm.cache
-        return {"used": adm.used_bytes, "busy": adm.busy_bytes, "budget": adm.kv_budget,
-                "queued": len(adm.queue), "running": sum(s.busy for s in self.slots),
-                "page_bytes": adm.page_bytes,
-                "pages": {"budget": adm.budget_pages, "resident": cache.resident,
-                          "held": cache.held, "idle": len(cache.idle),
-                          "shared": cache.shared, "promised": sum(adm.promised.values())},
-                "preemptions": dict(adm.preemptions), "evictions": dict(cache.evictions)}
+        pages = {"budget": adm.budget_pages, "resident": cache.resident, "held": cache.held,
+                 "idle": len(cache.idle), "shared": cache.shared,
+                 "promised": sum(adm.promised.values())}
+        summary: dict[str, Any] = {
+            "used": adm.used_bytes, "busy": adm.busy_bytes, "budget": adm.kv_budget,
+            "queued": len(adm.queue), "running": sum(s.busy for s in self.slots),
+            "page_bytes": adm.page_bytes, "pages": pages,
+            "preemptions": dict(adm.preemptions), "evictions": dict(cache.evictions)}
+        if cache.windows is not None:  # sliding-window layers' rows (kv.Windows)
+            summary["window_rows"] = {
+                "row_bytes": cache.pool.window_bytes, "floor_pages": adm.floor_pages,
+                "held": cache.windows.used - len(cache.idle_windows),
+                "idle": len(cache.idle_windows)}
+        return summary

@@ -214,6 +214,8 @@ def test_preempted_requests_resume_from_their_window_rows(checkpoint: Path) -> N
         for i, (a, b) in enumerate(zip(alone, both, strict=True)):
             assert b.finish_reason == "length", (i, b.error)
             assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
-        assert engine.kv_summary()["busy"] == 0
+        summary = engine.kv_summary()
+        assert summary["busy"] == 0 and summary["window_rows"]["held"] == 0
+        assert summary["window_rows"]["floor_pages"] == adm.floor_pages
     finally:
         h.close()
