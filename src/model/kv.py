@@ -302,15 +302,19 @@ class Windows:
                 self._row[p] = -1
 
     def table(self) -> np.ndarray:
-        """page id -> window row, where a page without one reads row 0 (never a position a
-        query may see: see the class doc)."""
-        return np.maximum(self._row, 0)
+        """page id -> window row (-1: none; `rewindow` reads row 0 for those, never at a
+        position a query may see: see the class doc). The live table: a step reads its own
+        pages' entries, which nothing changes while it is built."""
+        return self._row
 
 
 def rewindow(blocks: np.ndarray, heads: int, rows: np.ndarray) -> np.ndarray:
     """Pool block indices (page * heads + kv head) as the windowed layers address them
-    (window row * heads + kv head), through `rows` (Windows.table)."""
-    return (rows[blocks // heads] * heads + blocks % heads).astype(blocks.dtype)
+    (window row * heads + kv head), through `rows` (Windows.table); a page without a row
+    reads row 0."""
+    pages = blocks // heads
+    row = np.where(pages < rows.shape[0], rows[np.minimum(pages, rows.shape[0] - 1)], 0)
+    return (np.maximum(row, 0) * heads + blocks % heads).astype(blocks.dtype)
 
 
 @cache
