@@ -109,3 +109,28 @@ def together(h: EngineHarness, ids: Callable[[int], list[int]], n: int,
 
     engine.drop_retained()
     return h.call(run)
+
+
+def preempted_like_alone(h: EngineHarness, run: Callable[[int], Awaitable[Any]],
+                         alone: list[Any]) -> list[Any]:
+    """Runs run(i) for each request, 10 ms apart (request 0 oldest), under a budget the
+    caller made too small for all of them: some request must be preempted, and each still
+    finishes at its length with the tokens it got alone. Returns the completions."""
+    async def staggered() -> list[Any]:
+        out: list[Any] = [None] * len(alone)
+
+        async def one(i: int) -> None:
+            out[i] = await run(i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(alone)):
+                tg.start_soon(one, i)
+                await anyio.sleep(0.01)  # arrival order: 0 oldest
+        return out
+
+    both = h.call(staggered)
+    assert sum(h.engine.admission.preemptions.values()) > 0
+    for i, (a, b) in enumerate(zip(alone, both, strict=True)):
+        assert b.finish_reason == "length", (i, b.error)
+        assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+    return both

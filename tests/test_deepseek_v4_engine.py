@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 from engine_harness import PROMPTS as ALL_PROMPTS
-from engine_harness import EngineHarness, alone, together, wait_until
+from engine_harness import EngineHarness, alone, preempted_like_alone, together, wait_until
 from engine_harness import alternating_options as options
 
 from slotserve.kernels.attention import BLOCK
@@ -170,22 +170,6 @@ def test_a_preempted_request_resumes_with_its_own_tokens(
         engine.drop_retained()
         adm.budget_pages = 3 * adm.floor_pages + 4
 
-        async def together() -> list[Any]:
-            out: list[Any] = [None] * len(prompts)
-
-            async def one(i: int) -> None:
-                out[i] = await engine.complete(prompts[i], **opts[i])
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-                    await anyio.sleep(0.01)  # arrival order: 0 oldest
-            return out
-
-        both = h.call(together)
-        assert sum(adm.preemptions.values()) > 0
-        for i, (a, b) in enumerate(zip(alone, both, strict=True)):
-            assert b.finish_reason == "length", (i, b.error)
-            assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+        preempted_like_alone(h, lambda i: engine.complete(prompts[i], **opts[i]), alone)
     finally:
         h.close()

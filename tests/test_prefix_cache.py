@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
-from engine_harness import PROMPTS, EngineHarness
+from engine_harness import PROMPTS, EngineHarness, preempted_like_alone
 
 from slotserve.actors.kv_cache import Chain, KVCache
 from slotserve.engine import Completion, default_kv_budget
@@ -115,23 +115,7 @@ def test_preempted_requests_resume_with_their_own_tokens() -> None:
         engine.drop_retained()
         adm.budget_pages = 6
 
-        async def together() -> list[Completion]:
-            out: list[Any] = [None] * len(prompts)
-
-            async def one(i: int) -> None:
-                out[i] = await engine.chat_complete(prompts[i], **_options(i))
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-                    await anyio.sleep(0.01)  # arrival order: 0 oldest
-            return out
-
-        both = h.call(together)
-        assert sum(adm.preemptions.values()) > 0
-        for i, (a, b) in enumerate(zip(alone, both, strict=True)):
-            assert b.finish_reason == "length", (i, b.error)
-            assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+        preempted_like_alone(h, lambda i: engine.chat_complete(prompts[i], **_options(i)), alone)
         assert engine.kv_summary()["busy"] == 0
     finally:
         h.close()

@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import mlx.core as mx
 import pytest
-from engine_harness import EngineHarness
+from engine_harness import EngineHarness, preempted_like_alone
 from test_gemma4_engine import make_tiny_gemma4
 from tiny_models import make_tiny
 
@@ -197,23 +196,7 @@ def test_preempted_requests_resume_from_their_window_rows(checkpoint: Path) -> N
         engine.drop_retained()
         adm.budget_pages = 3 * (2 + adm.floor_pages) + 1
 
-        async def together() -> list[Any]:
-            out: list[Any] = [None] * len(prompts)
-
-            async def one(i: int) -> None:
-                out[i] = await engine.complete(prompts[i], **opts[i])
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-                    await anyio.sleep(0.01)  # arrival order: 0 oldest
-            return out
-
-        both = h.call(together)
-        assert sum(adm.preemptions.values()) > 0
-        for i, (a, b) in enumerate(zip(alone, both, strict=True)):
-            assert b.finish_reason == "length", (i, b.error)
-            assert b.token_ids == a.token_ids, f"request {i} changed under preemption"
+        preempted_like_alone(h, lambda i: engine.complete(prompts[i], **opts[i]), alone)
         summary = engine.kv_summary()
         assert summary["busy"] == 0 and summary["window_rows"]["held"] == 0
         assert summary["window_rows"]["floor_pages"] == adm.floor_pages
