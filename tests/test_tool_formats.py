@@ -4,12 +4,13 @@ chosen from real chat templates, and the forcing grammars checked by llguidance 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jiter
-import llguidance
 import pytest
+from grammar_check import lark_accepts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vocabularies import smollm2
@@ -38,7 +39,6 @@ from slotserve.api.tool_formats import (
     syntax_for_template,
 )
 from slotserve.api.tools import ToolChoice
-from slotserve.runtime.grammar import ll_tokenizer
 
 WEATHER = {"city": "Oslo", "days": [1, 2], "note": "a } and a \" inside"}
 ARGS = json.dumps(WEATHER)
@@ -173,12 +173,7 @@ def test_forcing_grammar_accepts_its_calls_only(syntax: CallSyntax) -> None:
     tok = smollm2()
     lark = call_grammar(syntax, TOOLS, ToolChoice("required"), True, {})
 
-    def accepts(text: str) -> bool:
-        m = llguidance.LLMatcher(ll_tokenizer(tok), llguidance.LLMatcher.grammar_from_lark(lark),
-                                 log_level=0)
-        assert not m.is_error(), m.get_error()
-        ids = tok.encode(text, add_special=False)
-        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+    accepts = partial(lark_accepts, tok, lark)
 
     good = syntax.render([("get_weather", '{"city": "Oslo"}')])
     if syntax.name == "hermes":

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import llguidance
 import openai
 import pytest
+from grammar_check import lark_accepts
 from test_gemma4_engine import make_tiny_gemma4
 
 from slotserve.api.app import create_app
@@ -23,7 +23,6 @@ from slotserve.api.server import BackgroundServer
 from slotserve.api.tool_formats import GEMMA4, parse_reply
 from slotserve.engine import EngineConfig
 from slotserve.model.tokenizer import Tokenizer
-from slotserve.runtime.grammar import ll_tokenizer
 from slotserve.tools.synth import write_gemma4_tokenizer
 
 Q = '<|"|>'
@@ -53,11 +52,7 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def accepts(tok: Tokenizer, lark: str, text: str) -> bool:
-    m = llguidance.LLMatcher(ll_tokenizer(tok), llguidance.LLMatcher.grammar_from_lark(lark),
-                             log_level=0)
-    assert not m.is_error(), m.get_error()
-    ids = tok.encode(text, add_special=False, parse_special=True)
-    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+    return lark_accepts(tok, lark, text, parse_special=True)
 
 
 def call(body: str) -> str:

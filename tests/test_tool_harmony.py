@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
-import llguidance
 import openai
 import pytest
+from grammar_check import lark_accepts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +42,6 @@ from slotserve.api.tool_formats import (
 from slotserve.api.tools import ToolChoice
 from slotserve.engine import EngineConfig
 from slotserve.model.tokenizer import Tokenizer
-from slotserve.runtime.grammar import ll_tokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "agents" / "templates"
 GPT_OSS_TEMPLATE = TEMPLATES / "openai-gpt-oss-120b.jinja"  # OpenAI's, as llama.cpp keeps it
@@ -200,12 +200,7 @@ def test_forcing_grammar_accepts_its_calls_only(harmony_dir: Path) -> None:
     tok = Tokenizer.from_hf_dir(harmony_dir)
     specials = dict(tok.special_tokens)
 
-    def accepts(lark: str, text: str) -> bool:
-        m = llguidance.LLMatcher(ll_tokenizer(tok), llguidance.LLMatcher.grammar_from_lark(lark),
-                                 log_level=0)
-        assert not m.is_error(), m.get_error()
-        ids = tok.encode(text, add_special=False, parse_special=True)
-        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+    accepts = partial(lark_accepts, tok, parse_special=True)
 
     lark = harmony_call_grammar(TOOLS, ToolChoice("required"), specials)
     good = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'

@@ -6,9 +6,11 @@ whole list with `ast` (tool_formats.parse_pythonic) where that reads one."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import pytest
+from grammar_check import lark_accepts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,11 +99,9 @@ def test_render_reads_back() -> None:
 def test_forcing_grammar_accepts_its_calls_only() -> None:
     """The forcing grammar takes a call of a listed tool whose arguments are valid, written as
     Python reads them (True, None, JSON-style strings), and the streamed parser reads it."""
-    import llguidance
     from vocabularies import smollm2
 
     from slotserve.api.pythonic import pythonic_call_grammar
-    from slotserve.runtime.grammar import ll_tokenizer
 
     tools = [{"type": "function", "function": {"name": "write", "parameters": {
         "type": "object", "required": ["path"], "properties": {
@@ -111,12 +111,7 @@ def test_forcing_grammar_accepts_its_calls_only() -> None:
             "type": "object", "properties": {"tz": {"type": "string"}}}}}]
     tok = smollm2()
 
-    def accepts(lark: str, text: str) -> bool:
-        m = llguidance.LLMatcher(ll_tokenizer(tok), llguidance.LLMatcher.grammar_from_lark(lark),
-                                 log_level=0)
-        assert not m.is_error(), m.get_error()
-        ids = tok.encode(text, add_special=False)
-        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+    accepts = partial(lark_accepts, tok)
 
     lark = pythonic_call_grammar(tools, None, True)
     good = '[write(path="a \\"b\\".py", force=True, mode="b"), now()]'

@@ -10,13 +10,14 @@ import json
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import llguidance
 import openai
 import pytest
 from converted import tiny_hf, tiny_hf_with_template
+from grammar_check import lark_accepts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vocabularies import smollm2
@@ -33,7 +34,6 @@ from slotserve.api.tool_formats import (
     syntax_for_template,
 )
 from slotserve.engine import EngineConfig
-from slotserve.runtime.grammar import ll_tokenizer
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "agents" / "templates"
 
@@ -150,12 +150,7 @@ def test_render_reads_back() -> None:
 def test_forcing_grammar_accepts_its_calls_only() -> None:
     tok = smollm2()
 
-    def accepts(lark: str, text: str) -> bool:
-        m = llguidance.LLMatcher(ll_tokenizer(tok), llguidance.LLMatcher.grammar_from_lark(lark),
-                                 log_level=0)
-        assert not m.is_error(), m.get_error()
-        ids = tok.encode(text, add_special=False)
-        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+    accepts = partial(lark_accepts, tok)
 
     lark = qwen_xml_call_grammar(TOOLS, None, False)
     good = QWEN_XML.render([("write_file", json.dumps({"path": "a.py", "content": CODE,
