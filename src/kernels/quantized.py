@@ -30,10 +30,12 @@ class QuantizedWeight:
         return w if dtype is None else w.astype(dtype)
 
     def with_scales_in(self, dtype: mx.Dtype) -> QuantizedWeight:
-        """The same codes with scales and biases in `dtype`. MLX's affine matmuls return the
-        promotion of the input's and the scales' dtypes: float32 scales (a checkpoint
-        quantized from float32 weights) would make a bfloat16 model's activations float32."""
-        if self.scales.dtype != mx.float32:  # float16 (GGUF's block scales): exact, kept
+        """The same codes with float32 scales and biases cast to `dtype`. MLX's affine
+        matmuls return the promotion of the input's and the scales' dtypes: float32 scales
+        (a checkpoint quantized from float32 weights) would make a bfloat16 model's
+        activations float32. Other scales are kept: float16 ones (GGUF's block scales) are
+        exact, and bfloat16 would round them."""
+        if self.scales.dtype != mx.float32:
             return self
         return QuantizedWeight(self.weight, self.scales.astype(dtype), self.biases.astype(dtype),
                                self.group_size, self.bits)
