@@ -33,6 +33,18 @@ def test_real_sizes(preset: str, billions: float, per_position: int) -> None:
     assert 2 * 2 * sum(h * d for h, d in shapes) == per_position
 
 
+@pytest.mark.parametrize("preset", ["gemma4-26b-a4b", "deepseek-v4-flash-10l"])
+def test_fewer_layers_cut_the_schedules(preset: str) -> None:
+    """`--layers` writes that many layers: the per-layer schedules are cut with the count
+    (a full-length schedule once made a 2-layer Gemma 4 checkpoint of all 30 layers)."""
+    cfg = preset_config(preset, layers=3)
+    assert len(cfg["layer_types"]) == 3
+    assert len(cfg.get("mlp_layer_types", [0] * 3)) == 3
+    indices = {int(name.split(".")[2]) for name, _ in tensor_shapes(cfg, "mlx4")
+               if name.startswith("model.layers.")}
+    assert indices == {0, 1, 2}
+
+
 @pytest.mark.parametrize("preset, fmt", [("tiny-gemma4", "mlx4"), ("tiny-gemma4-moe", "bf16"),
                                          ("tiny-gemma4-moe", "mlx4")])
 def test_tiny_presets_load_and_run(tmp_path: Path, preset: str, fmt: str) -> None:

@@ -240,6 +240,10 @@ def preset_config(name: str, layers: int | None = None) -> dict[str, Any]:
         if layers < 1:
             raise ValueError("layers must be at least 1")
         cfg["num_hidden_layers"] = layers
+        # per-layer schedules follow the layer count (the first `layers` of the preset's)
+        for key in ("layer_types", "mlp_layer_types"):
+            if key in cfg:
+                cfg[key] = list(cfg[key])[:layers]
     return cfg
 
 
