@@ -49,6 +49,16 @@
 #          follow-up turn and its TTFT against the cold turn's; then token-exact turns
 #          (loadtests/agent_turns.py, 2 s tool time) with settle passes and without (not in
 #          the default list)
+#   gemma4  gemma4-26b-a4b and gemma4-31b (real sizes), MLX 4-bit, random weights: synth, then
+#          `slotserve bench --sampling --long`: decode tok/s at N = 1, 8, 64 (greedy and
+#          sampled), TTFT and decode at 1k and 16k-token prompts ($GEMMA4_PRESETS picks)
+#   hybrid_decode  decode tok/s at N = 1, 8, 32 of qwen3.5-35b-a3b (Gated DeltaNet hybrid)
+#          beside qwen3-30b-a3b (the same active width, full attention) and llama3-8b, each
+#          with $HYBRID_LAYERS layers (`slotserve bench`)
+#   synth_bg  writes the checkpoints of $SYNTH_BG (e.g. "gemma4-31b deepseek-v4-flash-10l
+#          qwen3.5-35b-a3b:8") one after another in the background (setsid): they keep being
+#          written between device calls; the stages above wait for theirs (the index file is
+#          written last)
 #   dsv4_synth  deepseek-v4-flash-10l (DeepSeek-V4-Flash widths, 10 of 43 layers), MLX 4-bit,
 #          under $SYNTH_DIR (~37 GB; one device call of its own)
 #   dsv4_long  bench/deepseek_v4_long.py on it: 4 slots x 16k / 64k / 128k-token prompts under
@@ -91,6 +101,18 @@ MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
 
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 stage() { echo; echo "=== $(date -u +%FT%TZ) $*"; }
+# a checkpoint is complete once its index is written (synth writes it last)
+synthed() { [ -f "$1/model.safetensors.index.json" ]; }
+# synth_ck PRESET DIR [LAYERS]: write it unless complete; wait for it if synth_bg is on it
+synth_ck() {
+  local waited=0
+  while [ -f "$2.writing" ] && ! synthed "$2" && [ $waited -lt "${SYNTH_WAIT:-500}" ]; do
+    sleep 5; waited=$((waited + 5))
+  done
+  synthed "$2" && { echo "$2: complete"; return 0; }
+  timeout "${SYNTH_TIMEOUT:-560}" $PY -m slotserve.tools.synth "$1" "$2" --format mlx4 \
+    ${3:+--layers "$3"} | tail -1
+}
 
 # ---- llama.cpp CUDA beside slotserve (issue 18 item 6) ----
 PEER_DIR=${PEER_DIR:-/tmp/llama.cpp-peer}
@@ -113,6 +135,22 @@ if want peer; then STAGES="$STAGES peer_build peer_gguf peer_llamacpp peer_slots
 if want peer_build; then
   stage "peer_build: llama.cpp b11434 CUDA, in the background"
   bash bench/gpu_peer_build.sh start
+fi
+
+if want synth_bg; then
+  stage "synth_bg: ${SYNTH_BG:-} in the background"
+  for spec in ${SYNTH_BG:-}; do  # mark each as being written before the first starts
+    preset=${spec%%:*}; layers=${spec#"$preset"}; layers=${layers#:}
+    touch "$SYNTH_DIR/$preset-mlx4${layers:+-${layers}l}.writing"
+  done
+  SYNTH_BG="${SYNTH_BG:-}" SYNTH_DIR="$SYNTH_DIR" PY="$PY" setsid bash -c 'for spec in $SYNTH_BG; do
+      preset=${spec%%:*}; layers=${spec#"$preset"}; layers=${layers#:}
+      dir=$SYNTH_DIR/$preset-mlx4${layers:+-${layers}l}
+      [ -f "$dir/model.safetensors.index.json" ] || $PY -m slotserve.tools.synth "$preset" \
+        "$dir" --format mlx4 ${layers:+--layers "$layers"}
+      rm -f "$dir.writing"
+    done' > "$SYNTH_DIR/synth_bg.log" 2>&1 < /dev/null &
+  echo "started; log in $SYNTH_DIR/synth_bg.log"
 fi
 
 if want env; then
@@ -375,23 +413,46 @@ fi
 if want hybrid_agents; then
   HYBRID=$SYNTH_DIR/qwen3.5-35b-a3b-mlx4-${HYBRID_LAYERS:-8}l
   stage "synth qwen3.5-35b-a3b mlx4, ${HYBRID_LAYERS:-8} layers"
-  [ -f "$HYBRID/config.json" ] || timeout 300 $PY -m slotserve.tools.synth qwen3.5-35b-a3b \
-    "$HYBRID" --format mlx4 --layers "${HYBRID_LAYERS:-8}"
+  synth_ck qwen3.5-35b-a3b "$HYBRID" "${HYBRID_LAYERS:-8}"
   stage "hybrid agents: 4 agents, ~8k-token histories (agents_gate.py)"
   timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agents_gate.py --model "$HYBRID" --agents 4 \
     --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --out "$OUT/hybrid_agents" \
     | tail -24
+  # HYBRID_TURNS=0: the gate alone (the token-exact turns take up to two more time limits)
   for settle in "" --no-settle-passes; do
+    [ "${HYBRID_TURNS:-1}" = 0 ] && break
     stage "hybrid agent turns, token-exact (loadtests/agent_turns.py) ${settle:-with settle passes}"
     timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agent_turns.py --model "$HYBRID" --agents 4 \
       --turns 4 --history-tokens "${HYBRID_HISTORY:-11000}" --think-s 2 $settle \
       --out "$OUT/hybrid_turns${settle:+_nosettle}.json" | grep '^turn'
   done
 fi
+if want gemma4; then
+  for preset in ${GEMMA4_PRESETS:-gemma4-26b-a4b gemma4-31b}; do
+    dir=$SYNTH_DIR/$preset-mlx4
+    stage "synth $preset mlx4"
+    synth_ck "$preset" "$dir"
+    stage "slotserve bench $preset: decode N = 1, 8, 64 (greedy, sampled), 1k and 16k prompts"
+    timeout "${GEMMA4_TIMEOUT:-300}" $PY -m slotserve.cli bench --model "$dir" --device gpu \
+      --sampling --streams 1,8,64 --prompt-tokens 128 --new-tokens 128 --long \
+      --contexts 1024,16384 --long-new-tokens 64 --out "$OUT/bench_$preset" \
+      | grep '^{"' | cut -c1-400
+  done
+fi
+if want hybrid_decode; then
+  for preset in qwen3.5-35b-a3b qwen3-30b-a3b llama3-8b; do
+    dir=$SYNTH_DIR/$preset-mlx4-${HYBRID_LAYERS:-8}l
+    stage "synth $preset mlx4, ${HYBRID_LAYERS:-8} layers"
+    synth_ck "$preset" "$dir" "${HYBRID_LAYERS:-8}"
+    stage "slotserve bench $preset (${HYBRID_LAYERS:-8} layers): decode N = 1, 8, 32"
+    timeout "${HYBRID_TIMEOUT:-240}" $PY -m slotserve.cli bench --model "$dir" --device gpu \
+      --streams 1,8,32 --prompt-tokens 128 --new-tokens 128 --out "$OUT/bench_$preset" \
+      | grep '^{"' | cut -c1-400
+  done
+fi
 if want dsv4_synth; then
   stage "synth deepseek-v4-flash-10l mlx4 (~37 GB)"
-  [ -f "$DSV4/config.json" ] || timeout 560 $PY -m slotserve.tools.synth deepseek-v4-flash-10l \
-    "$DSV4" --format mlx4
+  synth_ck deepseek-v4-flash-10l "$DSV4"
   du -sh "$DSV4"
 fi
 if want dsv4_long; then
