@@ -254,12 +254,15 @@ if want tests; then
     tests/test_gpu_gguf.py tests/test_gpu_hybrid.py tests/test_gpu_deepseek_v4.py
     tests/test_gpu_sliding_window.py"}
   : > "$OUT/tests.log"
+  pids=()
   for f in $files; do
     (timeout "${TESTS_TIMEOUT:-540}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA "$f" \
       > "$OUT/tests_$(basename "$f" .py).log" 2>&1
      echo "$f: exit $? $(tail -1 "$OUT/tests_$(basename "$f" .py).log")" >> "$OUT/tests.log") &
+    pids+=($!)
   done
-  wait
+  # these pids only: a bare `wait` also waits for the log's tee and for synth_bg's writer
+  wait "${pids[@]}"
   cat "$OUT/tests.log"
   grep -h "^FAILED\|^ERROR" "$OUT"/tests_*.log | cut -c1-200
 fi
