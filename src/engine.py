@@ -441,7 +441,9 @@ class Engine:
             session.bind(slot, epoch)
             slot.tell(Assign(request, session, reused, progress))
 
-        adm.submit(request, place)  # raises before anything is started for this request
+        # raises before anything is started for this request; a placement that raises
+        # fails it through its session (a server error), as a failed step does
+        adm.submit(request, place, fail=lambda error: session.fail("error", error))
         if not session.finished:
             self.sessions[request.request_id] = session
         return session

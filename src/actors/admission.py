@@ -40,8 +40,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import structlog
+
 from slotserve.actors import state_snapshots
-from slotserve.actors.kv_cache import Chain, KVCache
+from slotserve.actors.kv_cache import Chain, KVCache, Match
 from slotserve.actors.messages import (
     Assign,
     CacheNamespace,
@@ -54,6 +56,8 @@ from slotserve.actors.messages import (
 from slotserve.actors.settle import SINK, Settles
 from slotserve.actors.slot import Growth, Slot
 from slotserve.kernels.attention import BLOCK
+
+log = structlog.get_logger("slotserve.admission")
 
 # how far prefix reuse reaches: "key" (the default) within one API key, "global" across all
 # requests (one namespace), "none" not across requests at all; cache_salt splits each further
@@ -88,12 +92,13 @@ def window_rows(window: int, step_tokens: int) -> int:
     return pages_for(window - 1 + step_tokens) + 2
 
 
-def _settle_place(request: GenerationRequest) -> Place:
+def _settle_place(request: GenerationRequest, settles: Settles) -> Place:
     """How a settle pass is placed: its tokens go to a sink (slotserve.actors.settle)."""
 
     def place(slot: Slot, reused: int, progress: Progress | None) -> None:
         slot.reserve()
         slot.tell(Assign(request, SINK, reused, progress))
+        settles.done += 1
 
     return place
 
@@ -127,7 +132,9 @@ class OverloadedError(Exception):
         self.reason, self.retry_after = reason, retry_after
 
 
+# tells the slot its request (after reserving it); it tells last, so a raise means untold
 Place = Callable[[Slot, int, Progress | None], None]
+Fail = Callable[[str], None]  # ends a request with a server error (its session's final delta)
 
 
 @dataclass
@@ -135,6 +142,9 @@ class Waiting:
     request: GenerationRequest
     place: Place  # (slot, prompt tokens found in the cache, progress to resume or None)
     progress: Progress | None = None  # a preempted request's state
+    fail: Fail | None = None  # how it fails when placing it raises (None: a settle pass)
+    # a settle pass: the position it resumes from (dropped once the cache holds less)
+    resume_at: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -175,7 +185,7 @@ class Admission:
         self._discard: set[int] = set()  # slots whose settle pass must leave nothing
         self.queue: deque[Waiting] = deque()
         self.promised: dict[int, int] = {}  # slot id -> pages promised, not yet taken
-        self.places: dict[int, Place] = {}  # slot id -> how its request was placed
+        self.places: dict[int, Waiting] = {}  # slot id -> how its request was placed
         self.growth_waiters: list[Slot] = []  # running slots waiting for a page
         self.preempting: int | None = None  # the slot told to step back, until it has
         self.rejections: Counter[str] = Counter()
@@ -214,11 +224,12 @@ class Admission:
 
     # ---- placement -------------------------------------------------------------
 
-    def submit(self, req: GenerationRequest, place: Place) -> bool:
-        """Place now (True), queue (False), or raise OverloadedError / AdmissionError."""
+    def submit(self, req: GenerationRequest, place: Place, fail: Fail) -> bool:
+        """Place now (True; or fail it through `fail` if placing it raised, see `_place`),
+        queue (False), or raise OverloadedError / AdmissionError."""
         self.check(req)
-        w = Waiting(req, place)
-        if not self.queue and self._try_place(w):
+        w = Waiting(req, place, fail=fail)
+        if not self.queue and self._place(w):
             return True
         if len(self.queue) >= self.max_queue:
             self.rejections["queue_full"] += 1
@@ -251,9 +262,10 @@ class Admission:
                 slot.tell(PagesReady(slot.epoch))
             return
         while self.queue:
-            if not self._try_place(self.queue[0]):
+            w = self.queue.popleft()  # (out of the queue while placed: failing it withdraws)
+            if not self._place(w):
+                self.queue.appendleft(w)
                 return
-            self.queue.popleft()
         self._place_settles()
 
     def _place_settles(self) -> None:
@@ -264,14 +276,11 @@ class Admission:
             free = sum(1 for s in self.slots if not s.busy and not s.in_flight)
             if free < 2 and len(self.slots) > 1:
                 return  # one slot stays free: a request that arrives takes it at once
-            request, start = settles.queue[0]
-            if self.cache.lookup(request.prompt_ids, request.cache_namespace).tokens < start:
-                settles.queue.popleft()
-                continue
-            if not self._try_place(Waiting(request, _settle_place(request))):
+            request, start = settles.queue.popleft()
+            if not self._place(Waiting(request, _settle_place(request, settles),
+                                       resume_at=start)):
+                settles.queue.appendleft((request, start))
                 return
-            settles.queue.popleft()
-            settles.done += 1
 
     def _yield_settle(self) -> None:
         """A request waits for a slot: one running settle pass gives its slot back (what it
@@ -320,7 +329,29 @@ class Admission:
                 self._yielding.add((s.id, s.epoch))
                 s.tell(Cancel(s.epoch, "cancelled"))
 
+    def _place(self, w: Waiting) -> bool:
+        """Place `w` if a slot and the budget allow; True when it waits no more (placed,
+        dropped, or failed), False when it must wait on.
+
+        Placement is all or nothing (`_try_place` undoes what it reserved when a step of it
+        raises), and its errors stop here: a bug in a cache lookup, in the page accounting
+        or in a family's state snapshot, or a slot that cannot take its Assign, fails this
+        request alone with a server error (`w.fail`; a settle pass is just dropped) and the
+        queue moves on. Left to propagate, the error would escape `pump` into the slot
+        whose finish called it, strand the request in the queue (its client never hears
+        back) and keep whatever it had reserved."""
+        try:
+            return self._try_place(w)
+        except Exception as exc:
+            log.exception("placing a request failed: it fails alone",
+                          request_id=w.request.request_id, background=w.request.background)
+            if w.fail is not None:
+                w.fail(f"internal error placing the request: {type(exc).__name__}: {exc}")
+            return True
+
     def _try_place(self, w: Waiting) -> bool:
+        """`_place` without its containment: when a step of placing `w` raises, what was
+        reserved for it is undone (`_unplace`) and the error goes on to `_place`."""
         if not w.request.background:
             self._supersede_settles(w.tokens, w.request.cache_namespace)
         slot = next((s for s in self.slots if not s.busy and not s.in_flight), None)
@@ -336,6 +367,8 @@ class Admission:
             # past it, which has the chunked form's bits where its own run decoded
             reach = tokens[: len(tokens) - w.progress.generated + 1]
         match = self.cache.lookup(reach, req.cache_namespace)
+        if match.tokens < w.resume_at:
+            return True  # a settle pass the cache no longer holds the start of: dropped
         new = pages_for(len(tokens)) - len(match.pages)
         generated = w.progress.generated if w.progress else 0
         room = pages_for(len(tokens) + req.max_tokens - generated) - pages_for(len(tokens))
@@ -343,18 +376,43 @@ class Admission:
         if self.committed_pages + new + self.cache.newly_held(match) + reserve \
                 + self.floor_pages > self.budget_pages:
             return False
-        slot.chain = self.cache.take(match, slot.kv, req.cache_namespace)
-        if w.progress is not None and self.cache.snapshots is not None:
-            # a preempted request computes its decoded positions as its decode steps did
-            self.cache.snapshots.resume_exact(
-                slot.kv, len(tokens) - w.progress.generated)  # type: ignore[arg-type]
-        pages_room = self.budget_pages - self._floors() - self.floor_pages
-        slot.kv.add_pages(self.cache.allocate(new, pages_room))
-        self.cache.copy_into(match, slot.kv)
-        self.promised[slot.id] = reserve
-        self.places[slot.id] = w.place
-        w.place(slot, match.tokens, w.progress)
+        slot.chain = self.cache.take(match, slot.kv, req.cache_namespace)  # (or nothing)
+        copied = False
+        try:
+            if w.progress is not None and self.cache.snapshots is not None:
+                # a preempted request computes its decoded positions as its decode steps did
+                self.cache.snapshots.resume_exact(
+                    slot.kv, len(tokens) - w.progress.generated)  # type: ignore[arg-type]
+            pages_room = self.budget_pages - self._floors() - self.floor_pages
+            slot.kv.add_pages(self.cache.allocate(new, pages_room))
+            self.cache.copy_into(match, slot.kv)
+            copied = True
+            self.promised[slot.id] = reserve
+            self.places[slot.id] = w
+            w.place(slot, match.tokens, w.progress)
+        except Exception:
+            self._unplace(slot, tokens, match, copied)
+            raise
         return True
+
+    def _unplace(self, slot: Slot, tokens: list[int], match: Match, copied: bool) -> None:
+        """Undo a placement that raised after `take`: the slot's pages go back to the cache
+        as when a request is cancelled before its first step, but with only what the cache
+        already held (the pages it matched idle again, a tail it took over a tail again;
+        what was copied or granted is freed), and the slot is free again. `copied`: the
+        copy's job is queued; it lets go of its source itself once it has run (it writes a
+        freed page, before any later step that could read it: the MLX thread keeps order).
+        A slot whose undo raises too stays busy: out of service, never reused half
+        released."""
+        self.promised.pop(slot.id, None)
+        self.places.pop(slot.id, None)
+        slot.busy = True
+        if match.copy is not None and not copied:
+            self.cache.cancel_copy(match)
+        held = match.tokens - (match.copy[1] if match.copy is not None else 0)
+        self.cache.finish(slot.kv, tokens[:held], slot.chain)
+        slot.chain = Chain(None)
+        slot.busy = False
 
     # ---- a running request's life -----------------------------------------------------
 
@@ -407,12 +465,12 @@ class Admission:
                 ledger: list[int], chain: Chain) -> None:
         """A preempted slot stepped back: requeue its request at the front (by arrival)."""
         self._let_go(slot, ledger, chain)
-        place = self.places.pop(slot.id)
+        placed = self.places.pop(slot.id)
         if request.background:  # a settle pass is not resumed: what it settled stays
             self.pump()
             return
         self.preemptions["budget"] += 1
-        waiting = Waiting(request, place, progress)
+        waiting = Waiting(request, placed.place, progress, placed.fail)
         # (it is placed again by pump once no running request waits for a page)
         pos = next((i for i, w in enumerate(self.queue)
                     if w.progress is None or w.request.arrived > request.arrived),

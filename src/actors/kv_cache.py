@@ -277,8 +277,11 @@ class KVCache:
         return sum(1 for p in pages if p in self.idle)
 
     def take(self, match: Match, kv: SlotKV, namespace: CacheNamespace | None) -> Chain:
-        """Hold the match's pages in `kv` (which must be empty); the tail is taken over."""
+        """Hold the match's pages in `kv` (which must be empty); the tail is taken over.
+        What can raise (a family's state restore) runs first: a raise holds nothing."""
         assert not kv.pages
+        if self.snapshots is not None:
+            self.snapshots.start(kv, match, namespace is not None)  # type: ignore[arg-type]
         for p in match.pages:
             self._hold(p)
         if match.tail is not None:
@@ -291,8 +294,6 @@ class KVCache:
             kv.win_from, kv.win_to = min(kv.window_first(match.tokens), end), end
             for p in [*kv.window_pages(), *([match.copy[0]] if match.copy else [])]:
                 self._hold_window(p)
-        if self.snapshots is not None:
-            self.snapshots.start(kv, match, namespace is not None)  # type: ignore[arg-type]
         return Chain(namespace, list(match.keys))
 
     def copy_into(self, match: Match, kv: SlotKV) -> None:
@@ -306,12 +307,19 @@ class KVCache:
             self.windows.attach([dst])
             kv.win_to = len(match.pages) + 1
 
-        def done() -> None:
-            if self.windows is not None:
-                self._let_window_go(src)
-            self._let_go(src)
+        self.post(lambda: self.pool.copy_positions(src, dst, n),
+                  lambda: self._let_copy_source_go(src))
 
-        self.post(lambda: self.pool.copy_positions(src, dst, n), done)
+    def cancel_copy(self, match: Match) -> None:
+        """The copy `take` held the match's source page for will not run (its placement
+        was undone before `copy_into`): let go of the source."""
+        if match.copy is not None:
+            self._let_copy_source_go(match.copy[0])
+
+    def _let_copy_source_go(self, src: int) -> None:
+        if self.windows is not None:
+            self._let_window_go(src)
+        self._let_go(src)
 
     def slide(self, kv: SlotKV, cursor: int) -> None:
         """kv's next query is at `cursor`: the window rows it no longer sees go idle (their
