@@ -91,10 +91,15 @@ def test_idle_pages_count_and_are_evicted_least_recently_used(one_slot: EngineHa
         engine.drop_retained()
 
 
+# enough to carry each of the six prompts (31-43 tokens rendered) into its second page
+PREEMPT_TOKENS = 112
+
+
 def _options(i: int) -> dict[str, Any]:
     if i % 2:
-        return {"temperature": 0.8, "seed": 40 + i, "max_tokens": 200, "ignore_eos": True}
-    return {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+        return {"temperature": 0.8, "seed": 40 + i, "max_tokens": PREEMPT_TOKENS,
+                "ignore_eos": True}
+    return {"temperature": 0.0, "max_tokens": PREEMPT_TOKENS, "ignore_eos": True}
 
 
 def test_preempted_requests_resume_with_their_own_tokens() -> None:
@@ -107,7 +112,8 @@ def test_preempted_requests_resume_with_their_own_tokens() -> None:
         adm = engine.admission
         assert adm is not None
         prompts = [[{"role": "user", "content": p}] for p in PROMPTS[:6]]
-        assert all(len(engine.render_chat(p)) + 200 <= 2 * BLOCK for p in prompts)
+        assert all(BLOCK < len(engine.render_chat(p)) + PREEMPT_TOKENS <= 2 * BLOCK
+                   for p in prompts)
         alone = []
         for i, p in enumerate(prompts):
             engine.drop_retained()
