@@ -39,7 +39,7 @@ from slotserve.api.server import BackgroundServer
 from slotserve.engine import Completion, EngineConfig
 from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import KVPool, SlotKV
-from slotserve.runtime.sampling import SamplingParams
+from slotserve.runtime.sampling import RowState, SamplingParams
 
 NS = ("", "")
 POISON = "poison"  # the cache_salt of the one request whose placement raises
@@ -181,6 +181,25 @@ def test_the_queue_moves_on_past_a_request_that_fails_to_place() -> None:
     assert reused == 0 and list(adm.places) == [slot.id]
     finish(adm, slot, list(range(900, 1000)))
     assert adm.committed_pages == 0 and adm.cache.held == 0 and not adm.promised
+
+
+def test_a_preempted_request_that_fails_to_resume_fails_through_its_own_fail() -> None:
+    """A preempted request goes back to the queue with how it fails: when placing its resume
+    raises, its client hears it (it is not left waiting to resume for ever)."""
+    adm = admission()
+    x = Client()
+    req = request("x", list(range(300)))
+    assert adm.submit(req, x.place, x.fail)
+    slot = x.placed[0][0]
+    ledger = [*range(300), 7, 8]  # two tokens generated when it stepped back
+    progress = Progress(ledger, 2, RowState(req.params, req.prompt_ids), None, 0)
+    x.raises = True  # the Assign of its resume raises
+    chain, slot.chain = slot.chain, Chain(None)
+    slot.busy = False
+    adm.suspend(slot, req, progress, ledger, chain)  # requeued, and placed again at once
+    assert adm.preemptions["budget"] == 1
+    assert len(x.errors) == 1 and "injected" in x.errors[0] and not adm.queue
+    assert not slot.busy and adm.committed_pages == 0 and adm.cache.held == 0
 
 
 def test_a_settle_pass_that_fails_to_place_is_dropped() -> None:
