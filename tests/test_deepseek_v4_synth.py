@@ -28,6 +28,36 @@ def test_tiny_preset_loads_and_decodes(tmp_path: Path) -> None:
     assert len(tokens) == 4 and all(0 <= t < cfg.vocab_size for t in tokens)
 
 
+def test_large_stacks_are_written_in_slices(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert stacks past CHUNK_VALUES are drawn and quantized a slice of experts at a time
+    (the whole Flash stack in one launch failed on CUDA) and stored as one tensor each."""
+    import mlx.core as mx
+
+    from slotserve.tools import synth as synth_mod
+
+    whole, sliced = tmp_path / "whole", tmp_path / "sliced"
+    synth("tiny-deepseek-v4", whole, fmt="mlx4")
+    monkeypatch.setattr(synth_mod, "CHUNK_VALUES", 3 * 256 * 256)  # 3 experts a slice
+    synth("tiny-deepseek-v4", sliced, fmt="mlx4")
+
+    def tensors(d: Path) -> dict[str, mx.array]:
+        out: dict[str, mx.array] = {}
+        for f in sorted(d.glob("model*.safetensors")):
+            out.update(mx.load(str(f)))
+        return out
+
+    a, b = tensors(whole), tensors(sliced)
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == \
+        {k: (v.shape, v.dtype) for k, v in b.items()}
+    stack = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not mx.array_equal(a[f"{stack}.weight"], b[f"{stack}.weight"])  # drawn anew
+    assert mx.array_equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
+    loaded = load(sliced, device="cpu", with_tokenizer=False)
+    tokens = greedy_tokens(loaded.model, list(range(100, 180)), 4)
+    assert len(tokens) == 4 and all(0 <= t < loaded.config.vocab_size for t in tokens)
+
+
 def test_flash_preset_has_the_real_shape() -> None:
     cfg = preset_config("deepseek-v4-flash-10l")
     params = 0

@@ -480,6 +480,35 @@ def _draw(name: str, shape: tuple[int, ...], key: mx.array, experts: int = 0) ->
     return (mx.random.normal(shape, dtype=mx.float32, key=key) * std).astype(mx.bfloat16)
 
 
+# one kernel launch draws or quantizes at most this many values: MLX's CUDA launches of
+# DeepSeek-V4-Flash's whole expert stack (256 x 2048 x 4096 = 2^31 values) fail
+# (cudaGraphAddKernelNode: invalid argument)
+CHUNK_VALUES = 1 << 28
+
+
+def _drawn_parts(name: str, shape: tuple[int, ...], key: mx.array, fmt: str,
+                 experts: int) -> dict[str, mx.array]:
+    """_draw + _arrays, evaluated; mlx4 stacks larger than CHUNK_VALUES by slices of axis 0
+    (bf16 stacks are stored per expert already)."""
+    per = 1
+    for s in shape[1:]:
+        per *= s
+    step = max(1, CHUNK_VALUES // per)
+    if fmt != "mlx4" or len(shape) < 3 or shape[0] <= step:
+        parts = _arrays(name, _draw(name, shape, key, experts), fmt)
+        mx.eval(list(parts.values()))
+        return parts
+    pieces: list[dict[str, mx.array]] = []
+    for j, k in enumerate(mx.random.split(key, -(-shape[0] // step))):
+        rows = min(step, shape[0] - j * step)
+        piece = _arrays(name, _draw(name, (rows, *shape[1:]), k, experts), fmt)
+        mx.eval(list(piece.values()))
+        pieces.append(piece)
+    parts = {t: mx.concatenate([p[t] for p in pieces]) for t in pieces[0]}
+    mx.eval(list(parts.values()))
+    return parts
+
+
 def _arrays(name: str, w: mx.array, fmt: str) -> dict[str, mx.array]:
     """The stored tensors for one weight in the chosen format."""
     if fmt == "mlx4" and w.ndim >= 2 and w.shape[-1] % GROUP_SIZE == 0 \
@@ -607,14 +636,12 @@ def synth(preset: str, outdir: str | Path, fmt: str = "mlx4", layers: int | None
         shard, shard_bytes = {}, 0
 
     for i, (name, shape) in enumerate(tensor_shapes(cfg, fmt)):
-        w = _draw(name, shape, mx.random.key(seed * 1_000_003 + i),
-                  int(cfg.get("n_routed_experts", 0)))
+        parts = _drawn_parts(name, shape, mx.random.key(seed * 1_000_003 + i), fmt,
+                             int(cfg.get("n_routed_experts", 0)))
         n = 1
         for s in shape:
             n *= s
         params += n
-        parts = _arrays(name, w, fmt)
-        mx.eval(list(parts.values()))
         size = sum(a.nbytes for a in parts.values())
         if shard and shard_bytes + size > SHARD_BYTES:
             flush()
