@@ -38,6 +38,7 @@ ROW_FLOOR = 16  # matmul rows the model-level invariance checks pad to
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from transformers.initialization import no_init_weights  # noqa: E402
 
 NEW_TOKENS = 32
 LLAMA3_ROPE = {
@@ -154,7 +155,11 @@ def smol() -> Iterator[Any]:
     for name, w in weights.items():
         dense = w.dequantize(mx.float32) if isinstance(w, QuantizedWeight) else w
         state[name] = torch.from_numpy(np.array(dense.astype(mx.float32)))
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    # every weight is loaded below: skip drawing 135M random ones (seconds), then tie the
+    # head as the constructor would have
+    with no_init_weights():
+        hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.tie_weights()
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # tied
