@@ -40,6 +40,8 @@ def test_fewer_layers_cut_the_schedules(preset: str) -> None:
     cfg = preset_config(preset, layers=3)
     assert len(cfg["layer_types"]) == 3
     assert len(cfg.get("mlp_layer_types", [0] * 3)) == 3
+    if preset.startswith("gemma4"):  # what the family reads: the last layer global
+        assert cfg["layer_types"][-1] == "full_attention"
     indices = {int(name.split(".")[2]) for name, _ in tensor_shapes(cfg, "mlx4")
                if name.startswith("model.layers.")}
     assert indices == {0, 1, 2}

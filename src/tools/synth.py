@@ -244,6 +244,8 @@ def preset_config(name: str, layers: int | None = None) -> dict[str, Any]:
         for key in ("layer_types", "mlp_layer_types"):
             if key in cfg:
                 cfg[key] = list(cfg[key])[:layers]
+        if cfg["model_type"] == "gemma4_text":  # its last layer is global (HF forces it)
+            cfg["layer_types"][-1] = "full_attention"
     return cfg
 
 
