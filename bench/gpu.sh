@@ -439,7 +439,7 @@ if want gemma4; then
     timeout "${GEMMA4_TIMEOUT:-300}" $PY -m slotserve.cli bench --model "$dir" --device gpu \
       --sampling --streams 1,8,64 --prompt-tokens 128 --new-tokens 128 --long \
       --contexts 1024,16384 --long-new-tokens 64 --out "$OUT/bench_$preset" \
-      | grep '^{"' | cut -c1-400
+      | grep -v '^ \|^[]{}[]*$' | cut -c1-400  # the log and one JSON line per case
   done
 fi
 if want hybrid_decode; then
@@ -450,7 +450,7 @@ if want hybrid_decode; then
     stage "slotserve bench $preset (${HYBRID_LAYERS:-8} layers): decode N = 1, 8, 32"
     timeout "${HYBRID_TIMEOUT:-240}" $PY -m slotserve.cli bench --model "$dir" --device gpu \
       --streams 1,8,32 --prompt-tokens 128 --new-tokens 128 --out "$OUT/bench_$preset" \
-      | grep '^{"' | cut -c1-400
+      | grep -v '^ \|^[]{}[]*$' | cut -c1-400
   done
 fi
 if want dsv4_synth; then
