@@ -15,6 +15,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 import anyio
+import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from slotserve.actors.base import Actor, Address
@@ -32,6 +33,10 @@ from slotserve.actors.messages import (
 )
 from slotserve.model.detokenizer import IncrementalDetokenizer, StopMatcher
 
+log = structlog.get_logger("slotserve.session")
+
+# deltas a client may leave unread before its session holds its mailbox (`can_take`); the
+# stream has one place more, kept for the final delta of `Session.fail`
 CLIENT_BUFFER = 8
 
 
@@ -76,7 +81,7 @@ class Session(Actor[SessionMessage]):
         self.request = request
         self.detok = IncrementalDetokenizer(tokenizer, skip_special=True)  # type: ignore[arg-type]
         self.stops = StopMatcher(request.stop) if request.stop else None
-        send, recv = anyio.create_memory_object_stream[Delta](CLIENT_BUFFER)
+        send, recv = anyio.create_memory_object_stream[Delta](CLIENT_BUFFER + 1)
         self.out: MemoryObjectSendStream[Delta] = send
         self.client = DeltaStream(recv, self)
         self.slot: Address[SlotMessage] | None = None
@@ -197,15 +202,25 @@ class Session(Actor[SessionMessage]):
         self.fail("error", f"internal error in session: {exc}")
 
     def fail(self, reason: str, error: str | None) -> None:
-        """Finish a request that never reached a slot (rejected or cancelled in queue)."""
+        """Finish a request from outside its slot's events: one that is not on a slot
+        (queued, or preempted and waiting to resume: rejected, cancelled, failed to place,
+        or the engine failed) or whose session crashed.
+
+        Its final delta always reaches the client, whenever it is called: an event is
+        handled only while two of CLIENT_BUFFER places are free (`can_take`) and emits two
+        deltas at most, so the events' deltas never take the stream's one place more, and
+        it is there for this one. A client that stopped reading (a preempted request's, say)
+        then reads what it was sent and why it ended, with the tokens it was sent counted
+        in its usage, instead of a stream that just stops or a usage of none. Events still
+        in the mailbox (tokens it was not sent) are dropped: memory stays bounded."""
         if self.finished:
             return
-        self.finished = True
-        usage = Usage(len(self.request.prompt_ids), 0, 0)
+        usage = Usage(len(self.request.prompt_ids), self.completion_tokens, self.reused)
         try:
-            self.out.send_nowait(Delta(finish_reason=reason, usage=usage, error=error))
-        except anyio.WouldBlock:
-            pass
+            self.out.send_nowait(self._final(reason, usage, error))
+        except anyio.WouldBlock:  # (never: the place is kept; a bug if it ever is)
+            log.error("a session's final delta found no room", request_id=self.request.request_id)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
+            pass  # the client has gone
+        self.finished = True
         self._close()
