@@ -37,7 +37,8 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import structlog
@@ -52,6 +53,7 @@ from slotserve.actors.messages import (
     PagesReady,
     Preempt,
     Progress,
+    SlotMessage,
 )
 from slotserve.actors.settle import SINK, Settles
 from slotserve.actors.slot import Growth, Slot
@@ -188,6 +190,10 @@ class Admission:
         self.places: dict[int, Waiting] = {}  # slot id -> how its request was placed
         self.growth_waiters: list[Slot] = []  # running slots waiting for a page
         self.preempting: int | None = None  # the slot told to step back, until it has
+        # a pump asked for while one runs (a slot failed inside it released its pages) runs
+        # once that one is done (`_pumps_held`)
+        self._pumping = False
+        self._pump_again = False
         self.rejections: Counter[str] = Counter()
         self.preemptions: Counter[str] = Counter()
         self._finished_at: deque[float] = deque(maxlen=64)
@@ -229,12 +235,15 @@ class Admission:
         queue (False), or raise OverloadedError / AdmissionError."""
         self.check(req)
         w = Waiting(req, place, fail=fail)
-        if not self.queue and self._place(w):
-            return True
-        if len(self.queue) >= self.max_queue:
+        with self._pumps_held():
+            if not self.queue and self._place(w):
+                return True
+            full = len(self.queue) >= self.max_queue
+            if not full:
+                self.queue.append(w)
+        if full:
             self.rejections["queue_full"] += 1
             raise OverloadedError("queue full", self.retry_after())
-        self.queue.append(w)
         return False
 
     def withdraw(self, request_id: str) -> bool:
@@ -248,6 +257,31 @@ class Admission:
         """Serve what now fits: running requests waiting for a page first (oldest first, as
         many as there are free pages; if none is free, preempt for them), and only when none
         waits, the queue in order (preempted requests first, by arrival)."""
+        if self._pumping:  # (from inside a pump or a placement: it runs once that is done)
+            self._pump_again = True
+            return
+        with self._pumps_held():
+            self._pump()
+
+    @contextmanager
+    def _pumps_held(self) -> Iterator[None]:
+        """Pumps asked for inside run after it, once. A running request failed inside a
+        pump or a placement (`_tell_running`) releases its pages there, and its release
+        pumps: nested, that pump would place the queue's next request ahead of the one
+        being placed (out of the queue while it is) or into the slot it is about to take."""
+        if self._pumping:
+            yield
+            return
+        self._pumping = True
+        try:
+            yield
+        finally:
+            self._pumping = False
+            again, self._pump_again = self._pump_again, False
+        if again:
+            self.pump()
+
+    def _pump(self) -> None:
         if self.preempting is not None:
             return
         self.growth_waiters = [s for s in self.growth_waiters
@@ -259,7 +293,7 @@ class Admission:
                 return
             for slot in sorted(self.growth_waiters, key=_arrival)[:free]:
                 self.growth_waiters.remove(slot)
-                slot.tell(PagesReady(slot.epoch))
+                self._tell_running(slot, PagesReady(slot.epoch), "granting pages to")
             return
         while self.queue:
             w = self.queue.popleft()  # (out of the queue while placed: failing it withdraws)
@@ -289,7 +323,7 @@ class Admission:
             req = s.request
             if req is not None and req.background and (s.id, s.epoch) not in self._yielding:
                 self._yielding.add((s.id, s.epoch))
-                s.tell(Cancel(s.epoch, "cancelled"))
+                self._tell_running(s, Cancel(s.epoch, "cancelled"), "stopping")
                 return
 
     def _preempt_for_waiters(self) -> None:
@@ -305,7 +339,12 @@ class Admission:
         if victim is oldest:
             return
         self.preempting = victim.id
-        victim.tell(Preempt(victim.epoch))
+        if not self._tell_running(victim, Preempt(victim.epoch), "preempting") \
+                and victim.request is not None:
+            # it could not even be failed: no release will end this preemption
+            self.preempting = None
+        # (failed, it ends it as a step back would: its release frees its pages, now or
+        # once its step in flight answers, and pumps)
 
     def _supersede_settles(self, tokens: list[int], namespace: CacheNamespace | None) -> None:
         """A request continues the ledger of a settle pass that has not finished: it
@@ -327,7 +366,39 @@ class Admission:
             if (req is not None and req.background and (s.id, s.epoch) not in self._yielding
                     and continues(req)):
                 self._yielding.add((s.id, s.epoch))
-                s.tell(Cancel(s.epoch, "cancelled"))
+                self._tell_running(s, Cancel(s.epoch, "cancelled"), "stopping")
+
+    def _tell_running(self, slot: Slot, msg: SlotMessage, doing: str) -> bool:
+        """Tell a running request's slot `msg`; True when told. When the tell raises (a full
+        mailbox, a closed one: a bug in the protocol), that request fails alone instead
+        (`Slot.fail`: its client gets a server error, its pages go back through the finish
+        path, now or once its step in flight answers, and that release pumps). A settle
+        pass told to stop (Cancel) is stopped this way: all its Cancel would have done, and
+        the request that wanted its slot is placed, not failed.
+
+        Failing it, not telling it again on a later pump, is what cannot wedge: nothing
+        promises a later pump (a request waiting for a page does not step, so no finish of
+        its own comes; when every running request waits, nobody pumps) and a fault that
+        lasts (a closed mailbox) fails every retry, so the request would hang silently,
+        and an untold Preempt would leave `preempting` set, stalling every waiter and the
+        whole queue. Left to propagate, the error would escape `pump` into the slot or the
+        Batcher that called it, as a failed placement once did."""
+        try:
+            slot.tell(msg)
+            return True
+        except Exception as exc:
+            req = slot.request
+            log.exception("telling a running request failed: it fails alone", slot=slot.id,
+                          message=type(msg).__name__,
+                          request_id=req.request_id if req is not None else None,
+                          background=req.background if req is not None else None)
+            error = f"internal error {doing} the request: {type(exc).__name__}: {exc}"
+        try:
+            slot.fail(error)
+        except Exception:
+            log.exception("failing a running request failed too: its slot is out of service",
+                          slot=slot.id)
+        return False
 
     def _place(self, w: Waiting) -> bool:
         """Place `w` if a slot and the budget allow; True when it waits no more (placed,
@@ -349,15 +420,19 @@ class Admission:
                 w.fail(f"internal error placing the request: {type(exc).__name__}: {exc}")
             return True
 
+    def _free_slot(self) -> Slot | None:
+        return next((s for s in self.slots if not s.busy and not s.in_flight), None)
+
     def _try_place(self, w: Waiting) -> bool:
         """`_place` without its containment: when a step of placing `w` raises, what was
         reserved for it is undone (`_unplace`) and the error goes on to `_place`."""
         if not w.request.background:
             self._supersede_settles(w.tokens, w.request.cache_namespace)
-        slot = next((s for s in self.slots if not s.busy and not s.in_flight), None)
+        slot = self._free_slot()
+        if slot is None and not w.request.background:
+            self._yield_settle()
+            slot = self._free_slot()  # (a settle pass that could not be told was stopped)
         if slot is None:
-            if not w.request.background:
-                self._yield_settle()
             return False
         req, tokens = w.request, w.tokens
         reach = tokens
@@ -433,6 +508,9 @@ class Admission:
             return Growth.FULL  # a settle pass never waits, nor preempts, for a page
         if slot not in self.growth_waiters:
             self.growth_waiters.append(slot)
+        # it waits from here, as pump's filter reads: a victim failed instead of preempted
+        # (`_tell_running`) releases its pages and pumps before this returns
+        slot.waiting_for_pages = True
         self._preempt_for_waiters()
         return Growth.WAIT
 

@@ -112,6 +112,15 @@ class Slot(Actor[SlotMessage]):
         self.epoch += 1
         return self.epoch
 
+    def fail(self, error: str) -> None:
+        """End the request now with a server error, from outside the mailbox: admission
+        calls it for a running slot it could not tell a message (PagesReady, Preempt,
+        Cancel) that the request needs to go on or to step back. It ends as a failed step
+        ends it: the session hears `error`, and the pages go back through the finish path
+        (after the step in flight answers, if one is out)."""
+        if self.request is not None and self.session is not None:
+            self._finish("error", error)
+
     @property
     def prefilling(self) -> bool:
         return len(self.pending) > 1 or (self.generated == 0 and bool(self.pending))
@@ -181,6 +190,8 @@ class Slot(Actor[SlotMessage]):
         assert self.request is not None and self.state is not None
         assert self.placement is not None
         growth = self.placement.grow(self, len(self.ledger) + len(self.pending))
+        if self.request is None:  # admission failed it meanwhile (it could not be preempted)
+            return False
         if growth is Growth.WAIT:
             self.waiting_for_pages = True
             return False
