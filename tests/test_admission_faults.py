@@ -308,7 +308,7 @@ def test_a_request_that_fails_to_place_fails_alone(
     assert "injected" in (poisoned.error or "")
     for got, want in zip((first, last), alone, strict=True):
         assert got.finish_reason == "length" and got.token_ids == want.token_ids
-    assert wait_until(lambda: kv_idle(one_slot), 5)
+    assert wait_until(lambda: kv_idle(one_slot), 60)
 
     async def alone_poisoned() -> Completion:  # placed at submit, on an idle engine
         with anyio.fail_after(60):
@@ -316,12 +316,12 @@ def test_a_request_that_fails_to_place_fails_alone(
 
     again = one_slot.call(alone_poisoned)
     assert again.finish_reason == "error" and "injected" in (again.error or "")
-    assert wait_until(lambda: kv_idle(one_slot), 5)
+    assert wait_until(lambda: kv_idle(one_slot), 60)
     monkeypatch.undo()
     after = one_slot.call(lambda: engine.chat_complete(FIRST, **OPTIONS))
     assert after.token_ids == alone[0].token_ids
     assert engine.failure is None and engine.ready
-    assert wait_until(lambda: kv_idle(one_slot), 5)
+    assert wait_until(lambda: kv_idle(one_slot), 60)
 
 
 # ---- over HTTP -----------------------------------------------------------------------------

@@ -103,7 +103,7 @@ def test_pages_hold_compressed_entries_and_the_state_is_a_floor(
     assert adm.page_bytes < uncompressed / 2
     assert adm.floor_pages == -(-kv.state_bytes // adm.page_bytes) > 0
     harness.call(lambda: engine.complete(_ids(engine, PROMPTS[2]), max_tokens=4))
-    assert wait_until(lambda: not any(s.busy for s in engine.slots), 10)
+    assert wait_until(lambda: not any(s.busy for s in engine.slots), 60)
     assert adm.committed_pages == 0  # no floor left behind, no page held
     assert all(not any(v) for s in engine.slots for v in s.kv.recurrent.versions)
 

@@ -110,7 +110,7 @@ def test_state_floor_is_charged_per_busy_slot_and_released(harness: EngineHarnes
     assert adm.floor_pages == -(-kv.state_bytes // adm.page_bytes) > 0
     assert adm.page_bytes == BLOCK * kv.pool.bytes_per_position  # attention layers alone
     harness.call(lambda: engine.complete(_ids(engine, PROMPTS[2]), max_tokens=4))
-    assert wait_until(lambda: not any(s.busy for s in engine.slots), 10)
+    assert wait_until(lambda: not any(s.busy for s in engine.slots), 60)
     assert adm.committed_pages == 0  # no floor left behind, no page held
     assert all(not any(v) for s in engine.slots for v in s.kv.recurrent.versions)
 

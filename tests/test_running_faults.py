@@ -163,7 +163,7 @@ def test_a_running_request_that_cannot_be_told_fails_alone(
     assert adm.preemptions["budget"] - preempted == (1 if kind is PagesReady else 0)
     told = [e for e in logs if e["event"] == TOLD_EVENT]
     assert [(e["message"], e["log_level"]) for e in told] == [(kind.__name__, "error")]
-    assert wait_until(lambda: kv_idle(two_slots), 5)
+    assert wait_until(lambda: kv_idle(two_slots), 60)
     assert engine.failure is None and engine.ready
 
 
@@ -213,7 +213,7 @@ def test_a_preempted_client_that_reads_late_hears_why_its_request_failed(
     assert tokens and tokens == alone["younger"].token_ids[: len(tokens)]
     assert final.usage is not None and final.usage.completion_tokens == len(tokens)
     assert final.usage.prompt_tokens == len(prompt)
-    assert wait_until(lambda: kv_idle(two_slots), 5)
+    assert wait_until(lambda: kv_idle(two_slots), 60)
 
 
 def test_a_parked_victim_that_cannot_be_told_to_step_back_fails_and_says_why(
@@ -254,7 +254,7 @@ def test_a_parked_victim_that_cannot_be_told_to_step_back_fails_and_says_why(
     assert tokens and tokens == alone["younger"].token_ids[: len(tokens)]
     assert final.usage is not None and final.usage.completion_tokens == len(tokens)
     assert [e["message"] for e in logs if e["event"] == TOLD_EVENT] == ["Preempt"]
-    assert wait_until(lambda: kv_idle(two_slots), 5)
+    assert wait_until(lambda: kv_idle(two_slots), 60)
 
 
 # ---- settle passes that cannot be told to stop -----------------------------------------------
