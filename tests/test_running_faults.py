@@ -167,6 +167,46 @@ def test_a_running_request_that_cannot_be_told_fails_alone(
     assert engine.failure is None and engine.ready
 
 
+def beside_older(h: EngineHarness, prompt: list[int]) -> tuple[asyncio.Future[Completion], Any]:
+    """The older request, then the poisoned younger one (`prompt`), submitted in that
+    order; returns (the older's completion, the younger's session)."""
+    engine = h.engine
+
+    async def submit() -> tuple[asyncio.Future[Completion], Any]:
+        older = asyncio.ensure_future(engine.chat_complete(
+            OLDER, **options(engine, OLDER, False)))
+        await asyncio.sleep(0)  # (the older is submitted first)
+        request = engine.make_request(prompt, cache_salt=POISON,
+                                      **options(engine, YOUNGER, True))
+        return older, engine.submit(request)
+
+    return h.call(submit)
+
+
+def read_late(h: EngineHarness, older: asyncio.Future[Completion],
+              session: Any) -> tuple[Completion, list[Delta]]:
+    """The younger's stream, read only now, and the older's completion."""
+    async def read() -> tuple[Completion, list[Delta]]:
+        with anyio.fail_after(120):
+            deltas = [d async for d in session.client]
+            return await older, deltas
+
+    return h.call(read)
+
+
+def failed_late(done: Completion, deltas: list[Delta], alone: dict[str, Completion],
+                error: str) -> None:
+    """The older ran as alone; the younger's stream has a prefix of its alone tokens, then
+    `error`, with those tokens counted in its usage."""
+    assert done.finish_reason == "length" and done.token_ids == alone["older"].token_ids
+    final = deltas[-1]
+    assert final.finish_reason == "error", deltas
+    assert error in (final.error or "")
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens and tokens == alone["younger"].token_ids[: len(tokens)]
+    assert final.usage is not None and final.usage.completion_tokens == len(tokens)
+
+
 def test_a_preempted_client_that_reads_late_hears_why_its_request_failed(
         two_slots: EngineHarness, alone: dict[str, Completion], small_budget: Admission,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,34 +225,14 @@ def test_a_preempted_client_that_reads_late_hears_why_its_request_failed(
 
     monkeypatch.setattr(KVCache, "lookup", failing)
 
-    async def submit() -> tuple[asyncio.Future[Completion], Any]:
-        older = asyncio.ensure_future(engine.chat_complete(
-            OLDER, **options(engine, OLDER, False)))
-        await asyncio.sleep(0)  # (the older is submitted first)
-        request = engine.make_request(prompt, cache_salt=POISON,
-                                      **options(engine, YOUNGER, True))
-        return older, engine.submit(request)
-
     # (it runs beside the older until its client's stream and its mailbox are full, then
     # its slot parks: the older needs its second page well after that)
-    older, session = two_slots.call(submit)
+    older, session = beside_older(two_slots, prompt)
     assert wait_until(lambda: session.finished, 120)
-
-    async def read_late() -> tuple[Completion, list[Delta]]:
-        with anyio.fail_after(120):
-            deltas = [d async for d in session.client]
-            return await older, deltas
-
-    done, deltas = two_slots.call(read_late)
-    assert done.finish_reason == "length" and done.token_ids == alone["older"].token_ids
+    done, deltas = read_late(two_slots, older, session)
     assert engine.admission.preemptions["budget"] >= 1
-    final = deltas[-1]
-    assert final.finish_reason == "error", deltas
-    assert "internal error placing the request" in (final.error or "")
-    tokens = [t for d in deltas for t in d.token_ids]
-    assert tokens and tokens == alone["younger"].token_ids[: len(tokens)]
-    assert final.usage is not None and final.usage.completion_tokens == len(tokens)
-    assert final.usage.prompt_tokens == len(prompt)
+    failed_late(done, deltas, alone, "internal error placing the request")
+    assert deltas[-1].usage.prompt_tokens == len(prompt)
     assert wait_until(lambda: kv_idle(two_slots), 60)
 
 
@@ -226,33 +246,13 @@ def test_a_parked_victim_that_cannot_be_told_to_step_back_fails_and_says_why(
     engine = two_slots.engine
     monkeypatch.setattr(Slot, "tell", injected(Preempt))
 
-    async def submit() -> tuple[asyncio.Future[Completion], Any]:
-        older = asyncio.ensure_future(engine.chat_complete(
-            OLDER, **options(engine, OLDER, False)))
-        await asyncio.sleep(0)
-        request = engine.make_request(engine.render_chat(YOUNGER), cache_salt=POISON,
-                                      **options(engine, YOUNGER, True))
-        return older, engine.submit(request)
-
     with capture_logs() as logs:
-        older, session = two_slots.call(submit)
+        older, session = beside_older(two_slots, engine.render_chat(YOUNGER))
         # (its final event waits in its session's mailbox for the client to read)
         assert wait_until(lambda: older.done() and not any(
             s.request is not None for s in engine.slots), 120)
-
-        async def read_late() -> tuple[Completion, list[Delta]]:
-            with anyio.fail_after(120):
-                deltas = [d async for d in session.client]
-                return await older, deltas
-
-        done, deltas = two_slots.call(read_late)
-    assert done.finish_reason == "length" and done.token_ids == alone["older"].token_ids
-    final = deltas[-1]
-    assert final.finish_reason == "error", deltas
-    assert "internal error preempting the request: MailboxFullError" in (final.error or "")
-    tokens = [t for d in deltas for t in d.token_ids]
-    assert tokens and tokens == alone["younger"].token_ids[: len(tokens)]
-    assert final.usage is not None and final.usage.completion_tokens == len(tokens)
+        done, deltas = read_late(two_slots, older, session)
+    failed_late(done, deltas, alone, "internal error preempting the request: MailboxFullError")
     assert [e["message"] for e in logs if e["event"] == TOLD_EVENT] == ["Preempt"]
     assert wait_until(lambda: kv_idle(two_slots), 60)
 
