@@ -143,19 +143,20 @@ def decoded(srv: BackgroundServer) -> int:
 def check_freed(srv: BackgroundServer, sessions: list[Session], closed_at: float,
                 rows_at: int) -> None:
     """After the close every request admitted for the client is over and every slot idle,
-    and it stays so (a handler that went on after its client left would admit its request
-    late, or keep it running); and it stopped when its client left: the engine stepped far
-    fewer decode rows since the close than the LONG tokens of a request that runs to its
-    end. (Judged by rows, not by a clock: a bound of a second failed on a loaded 2-core
-    machine.)"""
+    also a moment later (a request its handler admits after the close, which a client that
+    hangs up at once can race, must end too), and it stopped when its client left: the
+    engine stepped far fewer decode rows since the close than the LONG tokens of a request
+    that runs to its end. (Judged by rows, not by a clock: a bound of a second failed on a
+    loaded 2-core machine, and so did "still idle 0.3 s later" when the handler admitted
+    the request after the first look.)"""
     def freed() -> bool:
         return idle(srv) and all(s.finished for s in sessions)
 
-    assert wait_until(freed, FREED_WITHIN), \
-        f"still busy {time.monotonic() - closed_at:.2f} s after the client left: " \
-        f"{srv.state.engine.slot_states()}"
-    time.sleep(0.3)
-    assert freed()
+    for _ in range(2):
+        assert wait_until(freed, FREED_WITHIN), \
+            f"still busy {time.monotonic() - closed_at:.2f} s after the client left: " \
+            f"{srv.state.engine.slot_states()}"
+        time.sleep(0.3)
     ran = decoded(srv) - rows_at
     assert ran < LONG // 4, f"{ran} decode rows stepped after the client left"
 
