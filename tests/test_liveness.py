@@ -121,8 +121,9 @@ def test_batcher_crash_fails_the_engine_in_process(monkeypatch: pytest.MonkeyPat
     finally:
         started = time.monotonic()
         h.close()
-        # no 30 s drain: nothing is left to finish
-        assert time.monotonic() - started < 5
+        # no 30 s drain: nothing is left to finish (a bound well under it, loose enough for a
+        # loaded machine)
+        assert time.monotonic() - started < 20
 
 
 def test_batcher_crash_over_http(monkeypatch: pytest.MonkeyPatch) -> None:
