@@ -40,6 +40,7 @@ from slotserve.actors.messages import (
     StepDone,
     Withdraw,
 )
+from slotserve.actors.session import Session
 from slotserve.actors.settle import Settles
 from slotserve.actors.slot import Slot
 from slotserve.engine import Completion, Engine
@@ -365,3 +366,45 @@ def test_a_settle_pass_a_request_supersedes_is_stopped_when_it_cannot_be_told() 
     assert stopped(settle, batcher)
     settle.handle(StepDone(settle.epoch - 1, 2 * BLOCK, None))
     assert not settle.busy and list(adm.places) == [client.placed[0].id]
+
+
+# ---- a session that crashes and cannot cancel its slot ------------------------------------
+
+
+def test_a_crashed_session_whose_cancel_raises_still_tells_its_client(
+        two_slots: EngineHarness, alone: dict[str, Completion],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poisoned request's session crashes on its third token and its Cancel to the slot
+    raises: the client still hears why at once (the session fails before it tells the
+    slot: it crashes once, not again on every token the slot goes on sending), the other
+    request gives its alone tokens, and the slot, never told, runs to its max_tokens
+    unheard and frees itself."""
+    engine = two_slots.engine
+    engine.drop_retained()
+    token = Session._token
+
+    def crashing(self: Session, ev: Any) -> list[Delta]:
+        if self.request.cache_namespace == ("", POISON) and self.completion_tokens == 2:
+            raise RuntimeError("injected session crash")
+        return token(self, ev)
+
+    monkeypatch.setattr(Session, "_token", crashing)
+    monkeypatch.setattr(Slot, "tell", injected(Cancel))
+
+    async def both() -> tuple[Completion, Completion]:
+        with anyio.fail_after(120):
+            return await asyncio.gather(*(
+                engine.chat_complete(m, **options(engine, m, name == "younger"),
+                                     **({"cache_salt": POISON} if name == "younger" else {}))
+                for name, m in (("older", OLDER), ("younger", YOUNGER))))
+
+    with capture_logs() as logs:
+        older, younger = two_slots.call(both)
+        assert wait_until(lambda: kv_idle(two_slots), 120)
+    crashes = [e for e in logs if e["event"] == "actor crashed on message"]
+    assert len(crashes) == 1, f"the session crashed on {len(crashes)} tokens, not once"
+    assert younger.finish_reason == "error", younger
+    assert "internal error in session: injected session crash" in (younger.error or "")
+    assert younger.token_ids == alone["younger"].token_ids[:2]
+    assert older.finish_reason == "length" and older.token_ids == alone["older"].token_ids
+    assert engine.failure is None and engine.ready

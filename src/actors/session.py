@@ -196,10 +196,13 @@ class Session(Actor[SessionMessage]):
         self._close()
 
     def on_crash(self, msg: SessionMessage, exc: Exception) -> None:
-        """This request fails with an error; its slot is freed; peers never notice."""
+        """This request fails with an error; its slot is freed; peers never notice. The
+        client hears first: were the slot's Cancel to raise (a full mailbox, a protocol
+        bug), the session would otherwise stay open, crash again on each token the slot
+        goes on sending, and answer only when the slot ran to its end."""
+        self.fail("error", f"internal error in session: {exc}")
         if self.slot is not None:
             self.slot.tell(Cancel(self.epoch, "cancelled"))
-        self.fail("error", f"internal error in session: {exc}")
 
     def fail(self, reason: str, error: str | None) -> None:
         """Finish a request from outside its slot's events: one that is not on a slot
