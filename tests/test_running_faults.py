@@ -115,6 +115,22 @@ def kv_idle(h: EngineHarness) -> bool:
             and adm.cache.held == 0 and adm.committed_pages == 0)
 
 
+def run_both(h: EngineHarness, poisoned: str) -> tuple[Completion, Completion]:
+    """The older and the younger request at once (the `poisoned` one salted POISON);
+    returns (older, younger)."""
+    engine = h.engine
+
+    async def both() -> tuple[Completion, Completion]:
+        with anyio.fail_after(120):
+            older, younger = await asyncio.gather(*(
+                engine.chat_complete(m, **options(engine, m, name == "younger"),
+                                     **({"cache_salt": POISON} if name == poisoned else {}))
+                for name, m in (("older", OLDER), ("younger", YOUNGER))))
+            return older, younger
+
+    return h.call(both)
+
+
 @pytest.fixture
 def small_budget(two_slots: EngineHarness) -> Iterator[Admission]:
     """Two pages: one for each prompt, none for the older's second page."""
@@ -140,15 +156,8 @@ def test_a_running_request_that_cannot_be_told_fails_alone(
     monkeypatch.setattr(Slot, "tell", injected(kind))
     preempted = adm.preemptions["budget"]
 
-    async def both() -> tuple[Completion, Completion]:
-        with anyio.fail_after(120):
-            return await asyncio.gather(*(
-                engine.chat_complete(m, **options(engine, m, name == "younger"),
-                                     **({"cache_salt": POISON} if name == failing else {}))
-                for name, m in (("older", OLDER), ("younger", YOUNGER))))
-
     with capture_logs() as logs:
-        older, younger = two_slots.call(both)
+        older, younger = run_both(two_slots, failing)
     got = {"older": older, "younger": younger}
     bad, good = got.pop(failing), next(iter(got.values()))
     doing = "preempting" if kind is Preempt else "granting pages to"
@@ -391,15 +400,8 @@ def test_a_crashed_session_whose_cancel_raises_still_tells_its_client(
     monkeypatch.setattr(Session, "_token", crashing)
     monkeypatch.setattr(Slot, "tell", injected(Cancel))
 
-    async def both() -> tuple[Completion, Completion]:
-        with anyio.fail_after(120):
-            return await asyncio.gather(*(
-                engine.chat_complete(m, **options(engine, m, name == "younger"),
-                                     **({"cache_salt": POISON} if name == "younger" else {}))
-                for name, m in (("older", OLDER), ("younger", YOUNGER))))
-
     with capture_logs() as logs:
-        older, younger = two_slots.call(both)
+        older, younger = run_both(two_slots, "younger")
         assert wait_until(lambda: kv_idle(two_slots), 120)
     crashes = [e for e in logs if e["event"] == "actor crashed on message"]
     assert len(crashes) == 1, f"the session crashed on {len(crashes)} tokens, not once"
