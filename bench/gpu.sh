@@ -104,15 +104,31 @@ want() { [[ "$STAGES" == *" $1 "* ]]; }
 stage() { echo; echo "=== $(date -u +%FT%TZ) $*"; }
 # a checkpoint is complete once its index is written (synth writes it last)
 synthed() { [ -f "$1/model.safetensors.index.json" ]; }
-# synth_ck PRESET DIR [LAYERS]: write it unless complete; wait for it if synth_bg is on it
+# "PRESET[:LAYERS]" -> $preset, $layers and $dir, the checkpoint's folder under $SYNTH_DIR
+parse_spec() {
+  preset=${1%%:*}; layers=${1#"$preset"}; layers=${layers#:}
+  dir=$SYNTH_DIR/$preset-mlx4${layers:+-${layers}l}
+}
+# synth_write PRESET DIR [LAYERS]: write it unless complete (within $SYNTH_LIMIT s if set)
+synth_write() {
+  synthed "$2" || ${SYNTH_LIMIT:+timeout "$SYNTH_LIMIT"} $PY -m slotserve.tools.synth "$1" \
+    "$2" --format mlx4 ${3:+--layers "$3"} | tail -1
+}
+# synth_ck PRESET DIR [LAYERS]: synth_write, after waiting for synth_bg if it is on it
 synth_ck() {
   local waited=0
   while [ -f "$2.writing" ] && ! synthed "$2" && [ $waited -lt "${SYNTH_WAIT:-500}" ]; do
     sleep 5; waited=$((waited + 5))
   done
   synthed "$2" && { echo "$2: complete"; return 0; }
-  timeout "${SYNTH_TIMEOUT:-560}" $PY -m slotserve.tools.synth "$1" "$2" --format mlx4 \
-    ${3:+--layers "$3"} | tail -1
+  SYNTH_LIMIT=${SYNTH_TIMEOUT:-560} synth_write "$@"
+}
+# slotserve_bench NAME LIMIT ARGS...: `slotserve bench` on the GPU, its JSON under
+# $OUT/bench_NAME; prints the log and one JSON line per case
+slotserve_bench() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" $PY -m slotserve.cli bench --device gpu --out "$OUT/bench_$name" "$@" \
+    | grep -v '^ \|^[]{}[]*$' | cut -c1-400
 }
 
 # ---- llama.cpp CUDA beside slotserve (issue 18 item 6) ----
@@ -141,15 +157,11 @@ fi
 if want synth_bg; then
   stage "synth_bg: ${SYNTH_BG:-} in the background"
   for spec in ${SYNTH_BG:-}; do  # mark each as being written before the first starts
-    preset=${spec%%:*}; layers=${spec#"$preset"}; layers=${layers#:}
-    touch "$SYNTH_DIR/$preset-mlx4${layers:+-${layers}l}.writing"
+    parse_spec "$spec" && touch "$dir.writing"
   done
+  export -f synthed parse_spec synth_write
   SYNTH_BG="${SYNTH_BG:-}" SYNTH_DIR="$SYNTH_DIR" PY="$PY" setsid bash -c 'for spec in $SYNTH_BG; do
-      preset=${spec%%:*}; layers=${spec#"$preset"}; layers=${layers#:}
-      dir=$SYNTH_DIR/$preset-mlx4${layers:+-${layers}l}
-      [ -f "$dir/model.safetensors.index.json" ] || $PY -m slotserve.tools.synth "$preset" \
-        "$dir" --format mlx4 ${layers:+--layers "$layers"}
-      rm -f "$dir.writing"
+      parse_spec "$spec"; synth_write "$preset" "$dir" "$layers"; rm -f "$dir.writing"
     done' > "$SYNTH_DIR/synth_bg.log" 2>&1 < /dev/null &
   echo "started; log in $SYNTH_DIR/synth_bg.log"
 fi
@@ -416,7 +428,7 @@ if want moe; then
     --out "$OUT/bench_qwen3-30b-a3b.json" | grep -v '^ \|^[{}]$'
 fi
 if want hybrid_agents; then
-  HYBRID=$SYNTH_DIR/qwen3.5-35b-a3b-mlx4-${HYBRID_LAYERS:-8}l
+  parse_spec "qwen3.5-35b-a3b:${HYBRID_LAYERS:-8}" && HYBRID=$dir
   stage "synth qwen3.5-35b-a3b mlx4, ${HYBRID_LAYERS:-8} layers"
   synth_ck qwen3.5-35b-a3b "$HYBRID" "${HYBRID_LAYERS:-8}"
   stage "hybrid agents: 4 agents, ~8k-token histories (agents_gate.py)"
@@ -434,25 +446,23 @@ if want hybrid_agents; then
 fi
 if want gemma4; then
   for preset in ${GEMMA4_PRESETS:-gemma4-26b-a4b gemma4-31b}; do
-    dir=$SYNTH_DIR/$preset-mlx4
+    parse_spec "$preset"
     stage "synth $preset mlx4"
     synth_ck "$preset" "$dir"
     stage "slotserve bench $preset: decode N = 1, 8, 64 (greedy, sampled), 1k and 16k prompts"
-    timeout "${GEMMA4_TIMEOUT:-300}" $PY -m slotserve.cli bench --model "$dir" --device gpu \
-      --sampling --streams 1,8,64 --prompt-tokens 128 --new-tokens 128 --long \
-      --contexts 1024,16384 --long-new-tokens 64 --out "$OUT/bench_$preset" \
-      | grep -v '^ \|^[]{}[]*$' | cut -c1-400  # the log and one JSON line per case
+    slotserve_bench "$preset" "${GEMMA4_TIMEOUT:-300}" --model "$dir" --sampling \
+      --streams 1,8,64 --prompt-tokens 128 --new-tokens 128 --long --contexts 1024,16384 \
+      --long-new-tokens 64
   done
 fi
 if want hybrid_decode; then
   for preset in qwen3.5-35b-a3b qwen3-30b-a3b llama3-8b; do
-    dir=$SYNTH_DIR/$preset-mlx4-${HYBRID_LAYERS:-8}l
-    stage "synth $preset mlx4, ${HYBRID_LAYERS:-8} layers"
-    synth_ck "$preset" "$dir" "${HYBRID_LAYERS:-8}"
-    stage "slotserve bench $preset (${HYBRID_LAYERS:-8} layers): decode N = 1, 8, 32"
-    timeout "${HYBRID_TIMEOUT:-240}" $PY -m slotserve.cli bench --model "$dir" --device gpu \
-      --streams 1,8,32 --prompt-tokens 128 --new-tokens 128 --out "$OUT/bench_$preset" \
-      | grep -v '^ \|^[]{}[]*$' | cut -c1-400
+    parse_spec "$preset:${HYBRID_LAYERS:-8}"
+    stage "synth $preset mlx4, $layers layers"
+    synth_ck "$preset" "$dir" "$layers"
+    stage "slotserve bench $preset ($layers layers): decode N = 1, 8, 32"
+    slotserve_bench "$preset" "${HYBRID_TIMEOUT:-240}" --model "$dir" --streams 1,8,32 \
+      --prompt-tokens 128 --new-tokens 128
   done
 fi
 if want dsv4_synth; then
