@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import time
 from collections.abc import Iterator
@@ -492,10 +493,7 @@ def _drawn_parts(name: str, shape: tuple[int, ...], key: mx.array, fmt: str,
                  experts: int) -> dict[str, mx.array]:
     """_draw + _arrays, evaluated; mlx4 stacks larger than CHUNK_VALUES by slices of axis 0
     (bf16 stacks are stored per expert already)."""
-    per = 1
-    for s in shape[1:]:
-        per *= s
-    step = max(1, CHUNK_VALUES // per)
+    step = max(1, CHUNK_VALUES // math.prod(shape[1:]))
     if fmt != "mlx4" or len(shape) < 3 or shape[0] <= step:
         parts = _arrays(name, _draw(name, shape, key, experts), fmt)
         mx.eval(list(parts.values()))
@@ -640,10 +638,7 @@ def synth(preset: str, outdir: str | Path, fmt: str = "mlx4", layers: int | None
     for i, (name, shape) in enumerate(tensor_shapes(cfg, fmt)):
         parts = _drawn_parts(name, shape, mx.random.key(seed * 1_000_003 + i), fmt,
                              int(cfg.get("n_routed_experts", 0)))
-        n = 1
-        for s in shape:
-            n *= s
-        params += n
+        params += math.prod(shape)
         size = sum(a.nbytes for a in parts.values())
         if shard and shard_bytes + size > SHARD_BYTES:
             flush()
