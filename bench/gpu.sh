@@ -49,7 +49,7 @@
 #          four-agent gate (loadtests/agents_gate.py) at ~8k-token histories: reuse per
 #          follow-up turn and its TTFT against the cold turn's; then token-exact turns
 #          (loadtests/agent_turns.py, 2 s tool time) with settle passes and without (not in
-#          the default list)
+#          the default list; needs .gpuserve/ carried: scripts/stage_gpu_serve.sh)
 #   gemma4  gemma4-26b-a4b and gemma4-31b (real sizes), MLX 4-bit, random weights: synth, then
 #          `slotserve bench --sampling --long`: decode tok/s at N = 1, 8, 64 (greedy and
 #          sampled), TTFT and decode at 1k and 16k-token prompts ($GEMMA4_PRESETS picks)
@@ -429,20 +429,28 @@ if want moe; then
 fi
 if want hybrid_agents; then
   parse_spec "qwen3.5-35b-a3b:${HYBRID_LAYERS:-8}" && HYBRID=$dir
-  stage "synth qwen3.5-35b-a3b mlx4, ${HYBRID_LAYERS:-8} layers"
-  synth_ck qwen3.5-35b-a3b "$HYBRID" "${HYBRID_LAYERS:-8}"
-  stage "hybrid agents: 4 agents, ~8k-token histories (agents_gate.py)"
-  timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agents_gate.py --model "$HYBRID" --agents 4 \
-    --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --out "$OUT/hybrid_agents" \
-    | tail -24
-  # HYBRID_TURNS=0: the gate alone (the token-exact turns take up to two more time limits)
-  for settle in "" --no-settle-passes; do
-    [ "${HYBRID_TURNS:-1}" = 0 ] && break
-    stage "hybrid agent turns, token-exact (loadtests/agent_turns.py) ${settle:-with settle passes}"
-    timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agent_turns.py --model "$HYBRID" --agents 4 \
-      --turns 4 --history-tokens "${HYBRID_HISTORY:-11000}" --think-s 2 $settle \
-      --out "$OUT/hybrid_turns${settle:+_nosettle}.json" | grep '^turn'
-  done
+  # the server and the OpenAI SDK: not in the device image (scripts/stage_gpu_serve.sh)
+  # shellcheck disable=SC1091
+  [ -f .gpuserve/install.sh ] && source .gpuserve/install.sh
+  if ! $PY -c 'import openai, quart, hypercorn, llguidance' 2>/dev/null; then
+    echo "hybrid_agents: no openai/quart/hypercorn/llguidance here: run"
+    echo "  scripts/stage_gpu_serve.sh and carry .gpuserve/ beside .gpu2/"
+  else
+    stage "synth qwen3.5-35b-a3b mlx4, ${HYBRID_LAYERS:-8} layers"
+    synth_ck qwen3.5-35b-a3b "$HYBRID" "${HYBRID_LAYERS:-8}"
+    stage "hybrid agents: 4 agents, ~8k-token histories (agents_gate.py)"
+    timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agents_gate.py --model "$HYBRID" --agents 4 \
+      --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --out "$OUT/hybrid_agents" \
+      | tail -24
+    # HYBRID_TURNS=0: the gate alone (the token-exact turns take up to two more time limits)
+    for settle in "" --no-settle-passes; do
+      [ "${HYBRID_TURNS:-1}" = 0 ] && break
+      stage "hybrid agent turns, token-exact (loadtests/agent_turns.py) ${settle:-with settle passes}"
+      timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agent_turns.py --model "$HYBRID" --agents 4 \
+        --turns 4 --history-tokens "${HYBRID_HISTORY:-11000}" --think-s 2 $settle \
+        --out "$OUT/hybrid_turns${settle:+_nosettle}.json" | grep '^turn'
+    done
+  fi
 fi
 if want gemma4; then
   for preset in ${GEMMA4_PRESETS:-gemma4-26b-a4b gemma4-31b}; do
