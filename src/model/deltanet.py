@@ -55,11 +55,36 @@ assert BLOCK % CHUNK == 0
 
 @dataclass(frozen=True)
 class LayerState:
-    """One DeltaNet layer's state of one sequence after some position."""
+    """One DeltaNet layer's state of one sequence after some position.
 
-    conv: mx.array  # [K-1, conv_dim] the last K-1 conv inputs (compute dtype)
-    ssm: mx.array  # [Hv, dv, dk] float32
+    A decode step's new states are rows of its batched arrays, and are held so (`row`, the
+    arrays [N, ...] as `conv_` and `ssm_`): the next step of the same sequences in the same
+    order then takes those arrays as they are (`stacked`), where slicing each row out and
+    stacking the rows again cost several graph ops a row and layer (on a GPU, kernels)."""
+
+    conv_: mx.array  # [K-1, conv_dim] the last K-1 conv inputs (compute dtype); [N, ..] at row
+    ssm_: mx.array  # [Hv, dv, dk] float32; [N, ..] at row
     canonical: bool  # reached by chunked prefill of whole sub-chunks alone (see module doc)
+    row: int | None = None  # this state's row of batched conv_ / ssm_ (None: its own arrays)
+
+    @property
+    def conv(self) -> mx.array:
+        return self.conv_ if self.row is None else self.conv_[self.row]
+
+    @property
+    def ssm(self) -> mx.array:
+        return self.ssm_ if self.row is None else self.ssm_[self.row]
+
+
+def stacked(states: list[LayerState]) -> tuple[mx.array, mx.array]:
+    """The conv windows [N, K-1, conv_dim] and states [N, Hv, dv, dk] of N sequences: the
+    batched arrays themselves where the states are their rows 0..N-1 in order (the last
+    decode step's, of the same sequences), else the rows stacked."""
+    first = states[0]
+    if first.row == 0 and first.conv_.shape[0] == len(states) and all(
+            st.conv_ is first.conv_ and st.row == i for i, st in enumerate(states)):
+        return first.conv_, first.ssm_
+    return mx.stack([st.conv for st in states]), mx.stack([st.ssm for st in states])
 
 
 @dataclass
@@ -375,7 +400,8 @@ class GatedDeltaNet(Layer):
         return rows.astype(self.dtype)
 
     def _rule(self, mixed: mx.array, b: mx.array, a: mx.array, batch: Batch) -> mx.array:
-        """Every segment's rows through the conv and the delta rule, in row order."""
+        """Every segment's rows through the conv and the delta rule, in row order (pieces
+        of consecutive rows, concatenated by their first row)."""
         outs: list[tuple[int, mx.array]] = []
         decode = [s for s in batch.segments if s.length == 1]
         if decode:
@@ -389,17 +415,19 @@ class GatedDeltaNet(Layer):
 
     def _decode(self, segs: list[Segment], mixed: mx.array, b: mx.array, a: mx.array,
                 batch: Batch) -> list[tuple[int, mx.array]]:
-        """All one-row segments in one recurrent update (each row its own state)."""
-        states = [_state(s).at(self.index, s.start) for s in segs]
+        """All one-row segments in one recurrent update (each row its own state; the new
+        states held as rows of the update's arrays, see LayerState)."""
+        windows, ssm = stacked([_state(s).at(self.index, s.start) for s in segs])
         rows = mx.array([s.row for s in segs], dtype=mx.int32)
         x = self._conv_rows(mixed[rows])[:, None, :]
-        conv, windows = causal_conv(mx.stack([st.conv for st in states]), x, self.conv_w)
+        conv, windows = causal_conv(windows, x, self.conv_w)
         q, k, v, g, beta = self._prep(conv[:, 0], b[rows], a[rows])
-        o, s = recurrent_step(mx.stack([st.ssm for st in states]), q, k, v, g, beta)
+        o, s = recurrent_step(ssm, q, k, v, g, beta)
         for i, seg in enumerate(segs):
-            new = LayerState(windows[i], s[i], False)
-            _state(seg).put(self.index, seg.start + 1, new)
-            batch.effects.extend([new.conv, new.ssm])
+            _state(seg).put(self.index, seg.start + 1, LayerState(windows, s, False, i))
+        batch.effects.extend([windows, s])
+        if all(seg.row == segs[0].row + i for i, seg in enumerate(segs)):
+            return [(segs[0].row, o)]  # consecutive rows (a decode step's): one piece
         return [(seg.row, o[i : i + 1]) for i, seg in enumerate(segs)]
 
     def _segment(self, seg: Segment, mixed: mx.array, b: mx.array, a: mx.array,
