@@ -39,8 +39,15 @@ def span_for(end: int) -> int:
 
 
 def causal_bias(start: int, tokens: int, span: int, window: int | None = None) -> mx.array:
-    """[tokens, span] additive mask: 0 where a query may look, -inf elsewhere."""
-    qpos = mx.arange(start, start + tokens, dtype=mx.int32)[:, None]
+    """[tokens, span] additive mask of positions start.. : 0 where a query may look, -inf
+    elsewhere."""
+    return position_bias(mx.arange(start, start + tokens, dtype=mx.int32), span, window)
+
+
+def position_bias(positions: mx.array, span: int, window: int | None = None) -> mx.array:
+    """[len(positions), span] additive mask of queries at these positions (int32), in one
+    set of ops however many rows (a decode group's: one row a slot)."""
+    qpos = positions[:, None]
     kpos = mx.arange(span, dtype=mx.int32)[None, :]
     keep = kpos <= qpos
     if window is not None:

@@ -42,8 +42,8 @@ from slotserve.kernels.attention import (
     BLOCK,
     LOG2E,
     AttentionPlan,
-    causal_bias,
     decode_attention,
+    position_bias,
     segment_attention,
     span_for,
 )
@@ -108,9 +108,8 @@ class DecodeGroup:
 
     def bias(self, window: int | None) -> mx.array:
         if window not in self.biases:
-            self.biases[window] = mx.concatenate(
-                [causal_bias(p, 1, self.span, window) for p in self.starts]
-            )
+            starts = mx.array(self.starts, dtype=mx.int32)
+            self.biases[window] = position_bias(starts, self.span, window)
         return self.biases[window]
 
 
