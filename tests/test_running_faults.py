@@ -7,7 +7,9 @@ fails away from its slot still tells its client why.
   once the younger has stepped back, that request fails with a server error that says so,
   its pages go back, and the other gives the tokens it gives alone (the younger resumed).
   A younger whose client reads nothing is parked when its Preempt raises: it fails at once,
-  inside the older's request for the page, and the older still goes on.
+  inside the older's request for the page, and the older still goes on. A younger whose
+  Withdraw to the Batcher raises (its offer is out when it is preempted) steps back once the
+  step that took the offer answers, resumes, and gives its alone tokens.
 - Settle passes (Admission over a real pool, real Slots): a settle pass that cannot be told
   to stop (Cancel) is stopped, and the request that wanted its slot, or that continues its
   ledger, is placed; the settle pass's request does not fail it.
@@ -30,6 +32,7 @@ from structlog.testing import capture_logs
 
 from slotserve.actors.admission import Admission
 from slotserve.actors.base import MailboxFullError
+from slotserve.actors.batcher import Batcher
 from slotserve.actors.kv_cache import KVCache
 from slotserve.actors.messages import (
     Cancel,
@@ -173,6 +176,38 @@ def test_a_running_request_that_cannot_be_told_fails_alone(
     assert adm.preemptions["budget"] - preempted == (1 if kind is PagesReady else 0)
     told = [e for e in logs if e["event"] == TOLD_EVENT]
     assert [(e["message"], e["log_level"]) for e in told] == [(kind.__name__, "error")]
+    assert wait_until(lambda: kv_idle(two_slots), 60)
+    assert engine.failure is None and engine.ready
+
+
+def test_a_victim_whose_withdraw_raises_steps_back_after_its_step(
+        two_slots: EngineHarness, alone: dict[str, Completion], small_budget: Admission,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The younger is preempted while its offer is out, and its Withdraw to the Batcher
+    raises: the step that takes the offer answers instead, the younger steps back then (it
+    does not crash and fail), resumes and gives its alone tokens, as the older does."""
+    engine, adm = two_slots.engine, small_budget
+    tell = Batcher.tell
+    refused: list[Withdraw] = []
+
+    def failing(self: Batcher, msg: Any) -> None:
+        req = engine.slots[msg.slot_id].request if isinstance(msg, Withdraw) else None
+        if req is not None and req.cache_namespace == ("", POISON):
+            refused.append(msg)
+            raise MailboxFullError("batcher: mailbox full (injected)")
+        tell(self, msg)
+
+    monkeypatch.setattr(Batcher, "tell", failing)
+    preempted = adm.preemptions["budget"]
+
+    with capture_logs() as logs:
+        older, younger = run_both(two_slots, "younger")
+    assert len(refused) == 1
+    assert adm.preemptions["budget"] - preempted == 1
+    for name, got in (("older", older), ("younger", younger)):
+        assert got.finish_reason == "length", (name, got)
+        assert got.token_ids == alone[name].token_ids, name
+    assert not [e for e in logs if e["event"] == "actor crashed on message"]
     assert wait_until(lambda: kv_idle(two_slots), 60)
     assert engine.failure is None and engine.ready
 

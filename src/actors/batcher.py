@@ -72,10 +72,24 @@ class Batcher(Actor[BatcherMessage]):
             offer = self.offers.get(msg.slot_id)
             if offer is not None and offer.epoch == msg.epoch:
                 del self.offers[msg.slot_id]
-                offer.slot.tell(Withdrawn(msg.epoch))
+                self._withdrawn(offer)
             return  # not an answer to a step: a step that took the offer answers itself
         self.awaiting.discard(msg.slot_id)
         self._arrived.set()
+
+    def _withdrawn(self, offer: Ready) -> None:
+        """Answer a withdrawn offer (Withdrawn). Should the tell raise, the offer stands
+        again: the step that takes it answers (StepDone), as for a Withdraw that came after
+        a step took the offer, and the slot does with that answer what Withdrawn would have
+        done. Dropped unanswered, the offer would leave its slot waiting for ever (in flight,
+        its pages held; a preempted one never stepping back, and admission's preemption with
+        it, so every request waiting for a page)."""
+        try:
+            offer.slot.tell(Withdrawn(offer.epoch))
+        except Exception:
+            log.exception("telling a slot its offer was withdrawn failed: the offer stands, "
+                          "a step answers it", slot=offer.slot_id)
+            self.offers[offer.slot_id] = offer
 
     async def run(self) -> None:
         """Step whenever there are offers and the last step's slots have all answered."""

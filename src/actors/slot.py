@@ -144,11 +144,7 @@ class Slot(Actor[SlotMessage]):
         elif isinstance(msg, Assign):
             self._assign(msg)
         elif isinstance(msg, Cancel):
-            if msg.epoch == self.epoch and self.request is not None:
-                if msg.reason == "shutdown":
-                    self._finish("error", "server shutting down")
-                else:
-                    self._finish(msg.reason)
+            self._cancel(msg)
         elif isinstance(msg, Resume):
             if msg.epoch == self.epoch and self.waiting_for_client and self.request is not None:
                 self.waiting_for_client = False
@@ -162,9 +158,49 @@ class Slot(Actor[SlotMessage]):
                 return
             if self.in_flight:  # the offer may already be in a step: step back after it
                 self.preempt_requested = True
-                self.batcher.tell(Withdraw(self.id, self.epoch))
+                self._withdraw()
             else:
                 self._step_back()
+
+    def _cancel(self, msg: Cancel) -> None:
+        if msg.epoch == self.epoch and self.request is not None:
+            if msg.reason == "shutdown":
+                self._finish("error", "server shutting down")
+            else:
+                self._finish(msg.reason)
+
+    def cancel(self, epoch: int, reason: str) -> None:
+        """End the request of `epoch` (reason "cancelled", "stop" or "shutdown"): told as a
+        Cancel, so it is handled in order after what the slot was told before. Should that
+        tell raise (a full mailbox, a protocol bug), it is handled now, from outside the
+        mailbox, as admission's `fail` is: the senders (a session whose client left or whose
+        stop string matched, the engine shutting down) must go on (close, shut the others
+        down), and the slot must not decode for nobody until its max_tokens, holding its
+        pages. Its pages go back through the finish path either way."""
+        msg = Cancel(epoch, reason)
+        try:
+            self.tell(msg)
+            return
+        except Exception:
+            log.exception("telling a slot to cancel failed: it cancels now", slot=self.id,
+                          reason=reason)
+        try:
+            self._cancel(msg)
+        except Exception as exc:
+            self.contain(msg, exc)  # as if its handler had raised: the request fails
+
+    def _withdraw(self) -> None:
+        """Ask the Batcher to drop the offer that is out (Withdraw). Should the tell raise,
+        only a row is lost: the offer stands, the step that takes it answers (StepDone),
+        and that answer does what Withdrawn would have (release the finished request's
+        pages, or step back). Left to propagate, the error would stop the finish or the
+        step back halfway: the request left on the slot, decoding for a session that has
+        its final delta, or a preempted one resumed for nobody."""
+        try:
+            self.batcher.tell(Withdraw(self.id, self.epoch))
+        except Exception:
+            log.exception("telling the batcher to withdraw an offer failed: the step that "
+                          "takes it answers", slot=self.id)
 
     def _assign(self, msg: Assign) -> None:
         req, p = msg.request, msg.progress
@@ -321,7 +357,7 @@ class Slot(Actor[SlotMessage]):
         settle = reason in ("stop", "length") and not self.request.background
         in_flight = self.in_flight
         if in_flight:  # an offer is out: drop it, or let the step that took it answer
-            self.batcher.tell(Withdraw(self.id, self.epoch))
+            self._withdraw()
         ledger, chain = self._clear()
         if in_flight:  # that step may still write these pages: release them after it
             self._release_after = (ledger, chain, settle)
