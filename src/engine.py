@@ -37,7 +37,6 @@ from slotserve.actors.batcher import Batcher
 from slotserve.actors.kv_cache import KVCache
 from slotserve.actors.messages import (
     Assign,
-    Cancel,
     Delta,
     GenerationRequest,
     Progress,
@@ -338,7 +337,11 @@ class Engine:
         return self.admission.retry_after() if self.admission is not None else 1
 
     async def shutdown(self, deadline: float | None = None) -> None:
-        """Stop admitting; let in-flight requests finish until the deadline, then end them."""
+        """Stop admitting; let in-flight requests finish until the deadline, then end them.
+
+        Each slot is cancelled with `Slot.cancel`, which ends its request even when the
+        Cancel cannot be told: one slot that cannot take a message never stops the others'
+        shutdown nor the exit, and its client still gets its final delta."""
         if self._tg is None:
             return
         self.closing = True
@@ -353,7 +356,7 @@ class Engine:
         adm.settles = None  # no more settle passes; the running ones stop now
         for s in self.slots:
             if s.request is not None and s.request.background:
-                s.tell(Cancel(s.epoch, "cancelled"))
+                s.cancel(s.epoch, "cancelled")
         limit = self.config.shutdown_deadline if deadline is None else deadline
         if self.failure is not None:  # nothing is stepping: waiting would only delay the exit
             limit = 0.0
@@ -362,7 +365,7 @@ class Engine:
                 await anyio.sleep(0.02)
         for s in self.slots:
             if s.busy:
-                s.tell(Cancel(s.epoch, "shutdown"))
+                s.cancel(s.epoch, "shutdown")
         with anyio.move_on_after(2.0):
             while self.sessions:
                 await anyio.sleep(0.02)

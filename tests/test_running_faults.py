@@ -421,8 +421,8 @@ def test_a_crashed_session_whose_cancel_raises_still_tells_its_client(
     """The poisoned request's session crashes on its third token and its Cancel to the slot
     raises: the client still hears why at once (the session fails before it tells the
     slot: it crashes once, not again on every token the slot goes on sending), the other
-    request gives its alone tokens, and the slot, never told, runs to its max_tokens
-    unheard and frees itself."""
+    request gives its alone tokens, and the slot, never told, cancels the request at once
+    (`Slot.cancel`) and frees itself."""
     engine = two_slots.engine
     engine.drop_retained()
     token = Session._token

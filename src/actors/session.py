@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Protocol
 
 import anyio
 import structlog
@@ -20,7 +21,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from slotserve.actors.base import Actor, Address
 from slotserve.actors.messages import (
-    Cancel,
     Delta,
     FinishEvent,
     GenerationRequest,
@@ -38,6 +38,13 @@ log = structlog.get_logger("slotserve.session")
 # deltas a client may leave unread before its session holds its mailbox (`can_take`); the
 # stream has one place more, kept for the final delta of `Session.fail`
 CLIENT_BUFFER = 8
+
+
+class SlotAddress(Address[SlotMessage], Protocol):
+    """A slot as its session knows it (slotserve.actors.slot.Slot): its address, and
+    `cancel`, which ends the request there even when a Cancel cannot be told."""
+
+    def cancel(self, epoch: int, reason: str) -> None: ...
 
 
 class DeltaStream:
@@ -84,7 +91,7 @@ class Session(Actor[SessionMessage]):
         send, recv = anyio.create_memory_object_stream[Delta](CLIENT_BUFFER + 1)
         self.out: MemoryObjectSendStream[Delta] = send
         self.client = DeltaStream(recv, self)
-        self.slot: Address[SlotMessage] | None = None
+        self.slot: SlotAddress | None = None
         self.reused = 0  # prompt tokens the slot reused (set at bind; usage on a stop string)
         self.epoch = 0
         self.finished = False
@@ -93,13 +100,13 @@ class Session(Actor[SessionMessage]):
         self.on_closed = on_closed
         self._sender_waits = False  # the slot found the mailbox nearly full and paused
 
-    def bind(self, slot: Address[SlotMessage], epoch: int) -> None:
+    def bind(self, slot: SlotAddress, epoch: int) -> None:
         self.slot, self.epoch = slot, epoch
 
     def cancel(self) -> None:
         """Client went away: tell the slot, which frees itself at once."""
         if not self.finished and self.slot is not None:
-            self.slot.tell(Cancel(self.epoch, "cancelled"))
+            self.slot.cancel(self.epoch, "cancelled")
 
     def tell(self, msg: SessionMessage) -> None:
         super().tell(msg)
@@ -125,7 +132,21 @@ class Session(Actor[SessionMessage]):
         if self._sender_waits and self.room() >= 2 and not self.finished:
             self._sender_waits = False
             if self.slot is not None:
-                self.slot.tell(Resume(self.epoch))
+                self._resume(self.slot)
+
+    def _resume(self, slot: SlotAddress) -> None:
+        """Tell the paused slot to go on. Should the tell raise (a full mailbox, a protocol
+        bug), the request fails: the slot would wait for this Resume for ever, and its
+        client for the rest of its answer. (Raised here, outside `handle`, the error would
+        reach the event loop: nothing would fail the request.)"""
+        try:
+            slot.tell(Resume(self.epoch))
+        except Exception as exc:
+            log.exception("telling the slot to resume failed: the request fails",
+                          request_id=self.request.request_id)
+            self.fail("error", f"internal error resuming the request: {type(exc).__name__}: "
+                      f"{exc}")
+            slot.cancel(self.epoch, "cancelled")
 
     def _deltas(self, msg: TokenEvent | FinishEvent) -> list[Delta]:
         """What the client gets for this event (a final delta finishes the session)."""
@@ -144,7 +165,7 @@ class Session(Actor[SessionMessage]):
         out = [Delta(text=text, token_ids=[ev.token],
                      logprobs=[ev.logprob] if ev.logprob is not None else [])]
         if stopped and self.slot is not None:
-            self.slot.tell(Cancel(self.epoch, "stop"))
+            self.slot.cancel(self.epoch, "stop")  # (ends it even if the Cancel cannot be told)
             usage = Usage(len(self.request.prompt_ids), self.completion_tokens, self.reused)
             out.append(self._final("stop", usage, None))
         return out
@@ -189,20 +210,21 @@ class Session(Actor[SessionMessage]):
             on_closed(self)
 
     def _client_gone(self) -> None:
-        """The client stopped listening: free the slot."""
+        """The client stopped listening: free the slot (`cancel` ends the request there
+        even when the Cancel cannot be told, so the session always closes)."""
         self.finished = True
         if self.slot is not None:
-            self.slot.tell(Cancel(self.epoch, "cancelled"))
+            self.slot.cancel(self.epoch, "cancelled")
         self._close()
 
     def on_crash(self, msg: SessionMessage, exc: Exception) -> None:
         """This request fails with an error; its slot is freed; peers never notice. The
-        client hears first: were the slot's Cancel to raise (a full mailbox, a protocol
-        bug), the session would otherwise stay open, crash again on each token the slot
-        goes on sending, and answer only when the slot ran to its end."""
+        client hears first, and `cancel` ends the request on the slot even when its Cancel
+        cannot be told (a full mailbox, a protocol bug): the session crashes once, not on
+        each token a slot left running would go on sending."""
         self.fail("error", f"internal error in session: {exc}")
         if self.slot is not None:
-            self.slot.tell(Cancel(self.epoch, "cancelled"))
+            self.slot.cancel(self.epoch, "cancelled")
 
     def fail(self, reason: str, error: str | None) -> None:
         """Finish a request from outside its slot's events: one that is not on a slot
