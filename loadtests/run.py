@@ -88,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--users", type=int, default=16, help="concurrent users (default 16)")
     p.add_argument("--spawn-rate", type=float, default=4.0,
                    help="users started per second (default 4)")
+    p.add_argument("--stop-timeout", type=float, default=0.0,
+                   help="seconds the users get at the end to finish the requests they are "
+                   "in (default 0: those are cut off); with it every user that started a "
+                   "request reports it, however slow the machine")
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=16)
     p.add_argument("--kv-budget", default=None,
@@ -235,12 +239,12 @@ def run(args: argparse.Namespace) -> int:
                    "--host", url, "--users", str(args.users),
                    "--spawn-rate", str(args.spawn_rate), "--run-time", f"{args.time:g}s",
                    "--csv", str(prefix), "--html", f"{prefix}.html", "--only-summary",
-                   "--stop-timeout", "0"]
+                   "--stop-timeout", f"{args.stop_timeout:g}"]
             print(f"locust: {args.users} users at {args.spawn_rate:g}/s for {args.time:g} s")
             started = time.monotonic()
             locust = subprocess.Popen(cmd, stdout=llog, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
-            deadline = started + args.time + 120
+            deadline = started + args.time + args.stop_timeout + 120
             next_sample = 0.0
             while locust.poll() is None:
                 if time.monotonic() > deadline:

@@ -25,12 +25,15 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("locust") is None,
                                 reason="locust is not installed (pip install -e '.[test]')")
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(210)
 def test_short_load_run_passes_and_writes_reports(tmp_path: Path) -> None:
+    # --stop-timeout: the users' last requests finish and are reported, so every kind of
+    # request a user started is in the stats however slow (or busy) the machine is
     out = tmp_path / "reports"
     proc = subprocess.run([sys.executable, str(RUN), "--time", "20", "--users", "8",
-                           "--spawn-rate", "4", "--long-tokens", "600", "--out", str(out)],
-                          capture_output=True, text=True, timeout=140, cwd=ROOT)
+                           "--spawn-rate", "4", "--long-tokens", "600", "--stop-timeout", "60",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=200, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert "PASS" in proc.stdout
     for name in ("locust_stats.csv", "locust_failures.csv", "locust.html", "summary.json",
