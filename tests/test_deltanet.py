@@ -137,6 +137,41 @@ def test_rows_in_a_mixed_batch_get_their_solo_bits(model: Any) -> None:
         assert mx.array_equal(together[i], alone[i]), i
 
 
+def test_decode_steps_take_the_last_steps_states_whole(model: Any) -> None:
+    """A decode step's new states are rows of its arrays: the next step of the same
+    sequences in the same order takes those arrays as they are (deltanet.stacked), another
+    order stacks the rows again; every row gets its bits alone either way."""
+    lens, feeds = [37, 64, 130], [5, 6, 7, 8]
+
+    def prefilled() -> list[Any]:
+        kvs = []
+        for n in lens:
+            kv = model.new_kv()
+            model(mx.array(PROMPT[:n]), Batch.build([(kv, 0, n)]), [n - 1])
+            kvs.append(kv)
+        return kvs
+
+    alone = []
+    for kv, n in zip(prefilled(), lens, strict=True):
+        alone.append([model(mx.array([t]), Batch.build([(kv, n + j, 1)]), [0])[0]
+                      for j, t in enumerate(feeds)])
+    kvs = prefilled()
+    got: list[list[mx.array]] = [[] for _ in lens]
+    for j, t in enumerate(feeds):
+        order = [0, 1, 2] if j < len(feeds) - 1 else [2, 1, 0]  # the last step reordered
+        states = [kvs[i].recurrent.at(0, lens[i] + j) for i in order]
+        conv, ssm = deltanet.stacked(states)
+        whole = conv is states[0].conv_ and ssm is states[0].ssm_
+        assert whole == (0 < j < len(feeds) - 1), j  # after a step of the same rows in order
+        out = model(mx.array([t] * len(lens)),
+                    Batch.build([(kvs[i], lens[i] + j, 1) for i in order]), [0, 1, 2])
+        for row, i in enumerate(order):
+            got[i].append(out[row])
+    for i in range(len(lens)):
+        for j in range(len(feeds)):
+            assert mx.array_equal(got[i][j], alone[i][j]), (i, j)
+
+
 def test_canonical_states_are_marked_at_page_boundaries_and_the_last(model: Any) -> None:
     kv = model.new_kv()
     kv.recurrent.keep_marks = True
