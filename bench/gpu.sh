@@ -439,9 +439,11 @@ if want hybrid_agents; then
     stage "synth qwen3.5-35b-a3b mlx4, ${HYBRID_LAYERS:-8} layers"
     synth_ck qwen3.5-35b-a3b "$HYBRID" "${HYBRID_LAYERS:-8}"
     stage "hybrid agents: 4 agents, ~8k-token histories (agents_gate.py)"
+    # issue 20's bar: a follow-up reuses >= 90 % of its prompt (a hybrid resumes from its
+    # deepest state snapshot, up to a snapshot interval short of the whole prefix)
     timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agents_gate.py --model "$HYBRID" --agents 4 \
-      --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --out "$OUT/hybrid_agents" \
-      | tail -24
+      --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --min-reuse 0.9 \
+      --out "$OUT/hybrid_agents" | tail -24
     # HYBRID_TURNS=0: the gate alone (the token-exact turns take up to two more time limits)
     for settle in "" --no-settle-passes; do
       [ "${HYBRID_TURNS:-1}" = 0 ] && break
