@@ -33,6 +33,7 @@ from slotserve.actors.admission import (
     Admission,
     namespace_for,
 )
+from slotserve.actors.base import try_tell
 from slotserve.actors.batcher import Batcher
 from slotserve.actors.kv_cache import KVCache
 from slotserve.actors.messages import (
@@ -311,11 +312,9 @@ class Engine:
                 if sess is not None:
                     sess.fail("error", error)
         for s in self.slots:
-            if s.busy:
-                try:
-                    s.tell(StepFailed(s.epoch, error))
-                except Exception:  # a full mailbox: that slot's request is failed at shutdown
-                    log.exception("could not fail a slot's request", slot=s.id)
+            if s.busy:  # untold (a full mailbox): that slot's request is failed at shutdown
+                try_tell(s, StepFailed(s.epoch, error), "could not fail a slot's request",
+                         slot=s.id)
         if self._failed is not None:
             self._failed.set()
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import structlog
 
 from slotserve.actors import state_snapshots
+from slotserve.actors.base import try_tell
 from slotserve.actors.kv_cache import Chain, KVCache, Match
 from slotserve.actors.messages import (
     Assign,
@@ -383,18 +384,14 @@ class Admission:
         and an untold Preempt would leave `preempting` set, stalling every waiter and the
         whole queue. Left to propagate, the error would escape `pump` into the slot or the
         Batcher that called it, as a failed placement once did."""
-        try:
-            slot.tell(msg)
+        req = slot.request
+        exc = try_tell(slot, msg, "telling a running request failed: it fails alone",
+                       slot=slot.id, request_id=req.request_id if req is not None else None,
+                       background=req.background if req is not None else None)
+        if exc is None:
             return True
-        except Exception as exc:
-            req = slot.request
-            log.exception("telling a running request failed: it fails alone", slot=slot.id,
-                          message=type(msg).__name__,
-                          request_id=req.request_id if req is not None else None,
-                          background=req.background if req is not None else None)
-            error = f"internal error {doing} the request: {type(exc).__name__}: {exc}"
         try:
-            slot.fail(error)
+            slot.fail(f"internal error {doing} the request: {type(exc).__name__}: {exc}")
         except Exception:
             log.exception("failing a running request failed too: its slot is out of service",
                           slot=slot.id)

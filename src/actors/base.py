@@ -46,6 +46,20 @@ class Address(Protocol[M_contra]):
     def room(self) -> int: ...
 
 
+def try_tell(target: Address[M_contra], msg: M_contra, failure: str,
+             **context: object) -> Exception | None:
+    """Tell `target` `msg`; None when told. A tell that raises (a full or closed mailbox: a
+    bug in the protocol) is logged, traceback and message type included, as `failure`, and
+    its error returned: the caller then does what the message would have done, or fails
+    what it concerned, instead of letting the error stop it halfway."""
+    try:
+        target.tell(msg)
+        return None
+    except Exception as exc:
+        log.exception(failure, message=type(msg).__name__, **context)
+        return exc
+
+
 class Actor(ABC, Generic[M]):
     mailbox_size = 64
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from slotserve.actors.base import Actor, Address
+from slotserve.actors.base import Actor, Address, try_tell
 from slotserve.actors.messages import (
     BatcherMessage,
     Ready,
@@ -84,11 +84,9 @@ class Batcher(Actor[BatcherMessage]):
         done. Dropped unanswered, the offer would leave its slot waiting for ever (in flight,
         its pages held; a preempted one never stepping back, and admission's preemption with
         it, so every request waiting for a page)."""
-        try:
-            offer.slot.tell(Withdrawn(offer.epoch))
-        except Exception:
-            log.exception("telling a slot its offer was withdrawn failed: the offer stands, "
-                          "a step answers it", slot=offer.slot_id)
+        if try_tell(offer.slot, Withdrawn(offer.epoch), "telling a slot its offer was "
+                    "withdrawn failed: the offer stands, a step answers it",
+                    slot=offer.slot_id) is not None:
             self.offers[offer.slot_id] = offer
 
     async def run(self) -> None:

@@ -19,7 +19,7 @@ import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from slotserve.actors.base import Actor, Address
+from slotserve.actors.base import Actor, Address, try_tell
 from slotserve.actors.messages import (
     Delta,
     FinishEvent,
@@ -139,11 +139,9 @@ class Session(Actor[SessionMessage]):
         bug), the request fails: the slot would wait for this Resume for ever, and its
         client for the rest of its answer. (Raised here, outside `handle`, the error would
         reach the event loop: nothing would fail the request.)"""
-        try:
-            slot.tell(Resume(self.epoch))
-        except Exception as exc:
-            log.exception("telling the slot to resume failed: the request fails",
-                          request_id=self.request.request_id)
+        exc = try_tell(slot, Resume(self.epoch), "telling the slot to resume failed: the "
+                       "request fails", request_id=self.request.request_id)
+        if exc is not None:
             self.fail("error", f"internal error resuming the request: {type(exc).__name__}: "
                       f"{exc}")
             slot.cancel(self.epoch, "cancelled")

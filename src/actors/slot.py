@@ -19,7 +19,7 @@ from typing import Protocol
 
 import structlog
 
-from slotserve.actors.base import Actor, Address
+from slotserve.actors.base import Actor, Address, try_tell
 from slotserve.actors.kv_cache import Chain
 from slotserve.actors.messages import (
     Assign,
@@ -178,12 +178,9 @@ class Slot(Actor[SlotMessage]):
         down), and the slot must not decode for nobody until its max_tokens, holding its
         pages. Its pages go back through the finish path either way."""
         msg = Cancel(epoch, reason)
-        try:
-            self.tell(msg)
+        if try_tell(self, msg, "telling a slot to cancel failed: it cancels now",
+                    slot=self.id, reason=reason) is None:
             return
-        except Exception:
-            log.exception("telling a slot to cancel failed: it cancels now", slot=self.id,
-                          reason=reason)
         try:
             self._cancel(msg)
         except Exception as exc:
@@ -196,11 +193,8 @@ class Slot(Actor[SlotMessage]):
         pages, or step back). Left to propagate, the error would stop the finish or the
         step back halfway: the request left on the slot, decoding for a session that has
         its final delta, or a preempted one resumed for nobody."""
-        try:
-            self.batcher.tell(Withdraw(self.id, self.epoch))
-        except Exception:
-            log.exception("telling the batcher to withdraw an offer failed: the step that "
-                          "takes it answers", slot=self.id)
+        try_tell(self.batcher, Withdraw(self.id, self.epoch), "telling the batcher to "
+                 "withdraw an offer failed: the step that takes it answers", slot=self.id)
 
     def _assign(self, msg: Assign) -> None:
         req, p = msg.request, msg.progress
