@@ -58,15 +58,19 @@ def poisoned(slot: Slot) -> bool:
     return req is not None and req.cache_namespace == ("", POISON)
 
 
-def raising(kind: type, when: Callable[[Slot], bool] = poisoned) -> tuple[Callable[..., None],
-                                                                          list[Any]]:
-    """Slot.tell, raising as a full mailbox does for a `kind` message to a slot `when`
-    holds for; and the list of the messages it refused."""
-    tell = Slot.tell
+def to_poisoned(slot: Slot, _msg: Any) -> bool:
+    return poisoned(slot)
+
+
+def raising(kind: type, when: Callable[[Any, Any], bool] = to_poisoned,
+            actor: type = Slot) -> tuple[Callable[..., None], list[Any]]:
+    """`actor`.tell (a Slot's by default), raising as a full mailbox does for a `kind`
+    message that `when(actor, message)` holds for; and the list of the messages it refused."""
+    tell = actor.tell
     refused: list[Any] = []
 
-    def failing(self: Slot, msg: Any) -> None:
-        if isinstance(msg, kind) and when(self):
+    def failing(self: Any, msg: Any) -> None:
+        if isinstance(msg, kind) and when(self, msg):
             refused.append(msg)
             raise MailboxFullError(f"{self.name}: mailbox full (injected)")
         tell(self, msg)
@@ -227,15 +231,8 @@ def test_a_withdraw_that_raises_leaves_the_offer_to_its_step(
     crash (nor decode on for a finished session), and its pages go back when the step that
     took the offer answers."""
     engine = harness.engine
-    tell = Batcher.tell
-    refused: list[Withdraw] = []
-
-    def failing(self: Batcher, msg: Any) -> None:
-        if isinstance(msg, Withdraw) and poisoned(engine.slots[msg.slot_id]):
-            refused.append(msg)
-            raise MailboxFullError("batcher: mailbox full (injected)")
-        tell(self, msg)
-
+    failing, refused = raising(Withdraw, lambda _, msg: poisoned(engine.slots[msg.slot_id]),
+                               actor=Batcher)
     monkeypatch.setattr(Batcher, "tell", failing)
 
     async def leave(engine: Engine) -> list[Delta]:
@@ -264,7 +261,7 @@ def test_a_withdrawn_that_raises_leaves_the_offer_standing(
     the Withdrawn the Batcher tells raises. The offer stands again: once the Batcher goes
     on, a step takes it and answers, and the slot is freed (dropped, the offer would leave
     the slot in flight, holding its pages, for ever)."""
-    failing, refused = raising(Withdrawn, when=lambda _: True)
+    failing, refused = raising(Withdrawn, when=lambda _, __: True)
     monkeypatch.setattr(Slot, "tell", failing)
     step = Batcher._step
     gate, held = asyncio.Event(), asyncio.Event()
@@ -345,7 +342,7 @@ def test_a_shutdown_cancel_that_raises_stops_nothing_else(
     h = EngineHarness(max_slots=2, max_queue=4)
     engine = h.engine
     try:
-        failing, refused = raising(Cancel, when=lambda s: s.id == 0)
+        failing, refused = raising(Cancel, when=lambda s, _: s.id == 0)
 
         async def shut_down() -> list[Completion]:
             with anyio.fail_after(60):
