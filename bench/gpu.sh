@@ -52,7 +52,8 @@
 #          the default list; needs .gpuserve/ carried: scripts/stage_gpu_serve.sh)
 #   gemma4  gemma4-26b-a4b and gemma4-31b (real sizes), MLX 4-bit, random weights: synth, then
 #          `slotserve bench --sampling --long`: decode tok/s at N = 1, 8, 64 (greedy and
-#          sampled), TTFT and decode at 1k and 16k-token prompts ($GEMMA4_PRESETS picks)
+#          sampled), TTFT and decode at 1k and 16k-token prompts ($GEMMA4_PRESETS picks;
+#          GEMMA4_SWEEP=0: the prompts alone)
 #   hybrid_decode  decode tok/s at N = 1, 8, 32 of qwen3.5-35b-a3b (Gated DeltaNet hybrid)
 #          beside qwen3-30b-a3b (the same active width, full attention) and llama3-8b, each
 #          with $HYBRID_LAYERS layers (`slotserve bench`)
@@ -460,9 +461,10 @@ if want gemma4; then
     stage "synth $preset mlx4"
     synth_ck "$preset" "$dir"
     stage "slotserve bench $preset: decode N = 1, 8, 64 (greedy, sampled), 1k and 16k prompts"
-    slotserve_bench "$preset" "${GEMMA4_TIMEOUT:-300}" --model "$dir" --sampling \
-      --streams 1,8,64 --prompt-tokens 128 --new-tokens 128 --long --contexts 1024,16384 \
-      --long-new-tokens 64
+    sweep=(--sampling --streams 1,8,64 --prompt-tokens 128 --new-tokens 128)
+    [ "${GEMMA4_SWEEP:-1}" = 0 ] && sweep=()  # the 1k and 16k prompts alone
+    slotserve_bench "$preset" "${GEMMA4_TIMEOUT:-300}" --model "$dir" "${sweep[@]}" \
+      --long --contexts 1024,16384 --long-new-tokens 64
   done
 fi
 if want hybrid_decode; then
