@@ -444,7 +444,7 @@ if want hybrid_agents; then
     # deepest state snapshot, up to a snapshot interval short of the whole prefix)
     timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agents_gate.py --model "$HYBRID" --agents 4 \
       --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --min-reuse 0.9 \
-      --out "$OUT/hybrid_agents" | tail -24
+      --ready-timeout "${HYBRID_READY:-300}" --out "$OUT/hybrid_agents" | tail -24
     # HYBRID_TURNS=0: the gate alone (the token-exact turns take up to two more time limits)
     for settle in "" --no-settle-passes; do
       [ "${HYBRID_TURNS:-1}" = 0 ] && break
