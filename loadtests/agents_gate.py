@@ -17,7 +17,11 @@ Each agent holds one conversation (its own system prompt and a history of about
      cached tokens
   c  the continuation after b (named tool write_file, whose argument is source code: quotes,
      backslashes and newlines inside JSON): reused >= --min-reuse and time to first token
-     <= --followup-ttft-ms
+     <= --followup-ttft-ms (0: no such bar)
+
+With --followup-ttft-ratio R, the median TTFT of each follow-up turn (b and c) over the
+agents must also be <= R times the median cold turn a's (issue 20's bar: 0.2 at 8k-token
+histories).
 
 It prints one line per turn and a verdict, writes --out/agents_gate.json, and exits 0 only
 when every check held.
@@ -197,7 +201,7 @@ async def agent(client: openai.AsyncOpenAI, i: int, args: argparse.Namespace) ->
         t.problems.append(f"not one schema-valid write_file call: {calls}")
     if t.reuse < args.min_reuse:
         t.problems.append(f"reused {t.reuse:.0%} < {args.min_reuse:.0%}")
-    if ttft > args.followup_ttft_ms:
+    if args.followup_ttft_ms and ttft > args.followup_ttft_ms:
         t.problems.append(f"TTFT {ttft:.0f} ms > {args.followup_ttft_ms:.0f} ms")
     turns.append(t)
     return turns
@@ -234,6 +238,14 @@ def summarize(turns: list[Turn]) -> dict[str, Any]:
                 t.cached_tokens / t.seen if t.seen else 0.0 for t in ts),
             "ttft_ms": ttft, "ttft_vs_cold": ttft / cold if cold else 0.0}
     return out
+
+
+def ttft_ratio_problems(summary: dict[str, Any], ratio: float | None) -> list[str]:
+    """The follow-up turns whose median TTFT exceeds `ratio` times the cold turn's."""
+    if ratio is None:
+        return []
+    return [f"turn {name}: median TTFT {s['ttft_vs_cold']:.3f}x the cold turn's > {ratio}x"
+            for name, s in summary["follow_ups"].items() if s["ttft_vs_cold"] > ratio]
 
 
 def start_server(model: str | None, max_slots: int, out: Path,
@@ -287,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--free-max-tokens", type=int, default=None,
                    help="max_tokens of the free (tool_choice auto) turn b; default --max-tokens")
-    p.add_argument("--followup-ttft-ms", type=float, default=150.0)
+    p.add_argument("--followup-ttft-ms", type=float, default=150.0,
+                   help="turn c's TTFT bar (0: none)")
+    p.add_argument("--followup-ttft-ratio", type=float, default=None,
+                   help="bar for each follow-up turn's median TTFT / the cold turn's")
     p.add_argument("--min-reuse", type=float, default=0.95)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--ready-timeout", type=float, default=300.0,
@@ -316,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
               f"of what the cache could hold), TTFT {s['ttft_ms']:.0f} ms = "
               f"{s['ttft_vs_cold']:.3f}x the cold turn a's {summary['cold_ttft_ms']:.0f} ms "
               "(medians over the agents)")
+
+    for problem in ttft_ratio_problems(summary, args.followup_ttft_ratio):
+        print(f"FAIL {problem}")
+        passed = False
     (args.out / "agents_gate.json").write_text(json.dumps(
         {"passed": passed, "settings": {k: str(v) for k, v in vars(args).items()},
          "summary": summary,

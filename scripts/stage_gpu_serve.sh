@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The server's and the OpenAI SDK's wheels for the lent GPU machine, which has no package
-# index: what `slotserve serve` needs beyond MLX's (.gpu2/, ../shared/tools/mlx-cuda-stage)
+# slotserve's, the server's and the OpenAI SDK's wheels for the lent GPU machine, which has no
+# package index: what slotserve needs beyond MLX's (.gpu2/, ../shared/tools/mlx-cuda-stage)
 # and the device image (numpy, jinja2, httpx, tokenizers, ...), plus the `openai` client the
 # agent load tests drive it with (loadtests/agents_gate.py, agent_turns.py). The versions are
 # the ones this checkout's .venv runs, so the device serves with what the tests here passed.
 #   scripts/stage_gpu_serve.sh          # writes .gpuserve/ (about 7 MB, git-ignored)
-# On the device, carry ".gpuserve" beside ".gpu2"; bench/gpu.sh installs it for the stages
-# that start a server (hybrid_agents).
+# On the device, carry ".gpuserve" beside ".gpu2"; bench/gpu.sh installs it first (every
+# stage imports structlog).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 venv_py=${VENV_PY:-.venv/bin/python}
-packages=(openai httpx2 httpcore2 truststore jiter sniffio distro anyio quart flask blinker
+# slotserve's own runtime packages the image lacks (structlog, gguf, pydantic for openai),
+# then the server's and the client's
+packages=(structlog gguf pydantic pydantic_core annotated_types typing_inspection
+          openai httpx2 httpcore2 truststore jiter sniffio distro anyio quart flask blinker
           itsdangerous hypercorn h2 hpack hyperframe priority wsproto llguidance)
 pins=$("$venv_py" - "${packages[@]}" <<'EOF'
 import sys

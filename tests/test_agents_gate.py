@@ -32,3 +32,14 @@ def test_four_agent_gate_short(tmp_path: Path) -> None:
     problems = [(t["agent"], t["turn"], t["problems"]) for t in report["turns"] if t["problems"]]
     assert rc == 0 and report["passed"], problems
     assert len(report["turns"]) == 16
+
+
+def test_ttft_ratio_bar_reads_each_follow_up_median() -> None:
+    """--followup-ttft-ratio (issue 20's 0.2x bar) fails exactly the follow-up turns whose
+    median TTFT is above the ratio to the cold turn's, and nothing without a ratio."""
+    summary = {"cold_ttft_ms": 10000.0, "follow_ups": {
+        "b": {"ttft_vs_cold": 0.21}, "c": {"ttft_vs_cold": 0.05}}}
+    assert agents_gate.ttft_ratio_problems(summary, None) == []
+    assert agents_gate.ttft_ratio_problems(summary, 0.25) == []
+    problems = agents_gate.ttft_ratio_problems(summary, 0.2)
+    assert len(problems) == 1 and problems[0].startswith("turn b:")
