@@ -12,6 +12,8 @@ one tell that concerns it is made to raise as a full mailbox does. Then:
   Withdrawn raises: the offer stands again, a step answers it and the slot is freed;
 - its client read late and the session's Resume raises: the client hears why, the slot is
   freed;
+- every step result the Batcher tells it raises, or every offer and answer its slot tells
+  the Batcher: each is taken at once, and the request gives its alone tokens;
 - the engine shuts down and one slot's Cancel raises: every request still gets its final
   answer and the shutdown completes.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
+from types import UnionType
 from typing import Any
 
 import anyio
@@ -37,7 +40,10 @@ from slotserve.actors.messages import (
     Cancel,
     Delta,
     GenerationRequest,
+    NoWork,
+    Ready,
     Resume,
+    StepDone,
     Withdraw,
     Withdrawn,
 )
@@ -62,7 +68,7 @@ def to_poisoned(slot: Slot, _msg: Any) -> bool:
     return poisoned(slot)
 
 
-def raising(kind: type, when: Callable[[Any, Any], bool] = to_poisoned,
+def raising(kind: type | UnionType, when: Callable[[Any, Any], bool] = to_poisoned,
             actor: type = Slot) -> tuple[Callable[..., None], list[Any]]:
     """`actor`.tell (a Slot's by default), raising as a full mailbox does for a `kind`
     message that `when(actor, message)` holds for; and the list of the messages it refused."""
@@ -327,6 +333,52 @@ def test_a_resume_that_raises_fails_the_request_and_frees_the_slot(
     assert sent and sent == alone["mine"].token_ids[: len(sent)]
     assert final.usage is not None and final.usage.completion_tokens == len(sent)
     assert [r for r, _ in finishes] == ["cancelled"] and finishes[0][1] < LONG
+    assert not [e for e in logs if e["event"] == CRASHED]
+    other_alone_and_idle(harness, other, alone)
+
+
+# ---- a step's result and the slot's answer to the Batcher -------------------------------------
+
+
+def whole(engine: Engine) -> Any:
+    """The poisoned request to its full ALONE_TOKENS, collected."""
+    return engine.collect(engine.generate(engine.make_request(
+        engine.render_chat(MINE), cache_salt=POISON, **opts())))
+
+
+def test_step_results_that_raise_are_taken_at_once(
+        harness: EngineHarness, alone: dict[str, Completion], finishes: list[tuple[str, int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every StepDone the Batcher tells the poisoned slot raises. The slot takes each at
+    once instead (it would otherwise never offer again, its request never finish): the
+    request gives its alone tokens and finishes as asked, the other is undisturbed."""
+    failing, refused = raising(StepDone)
+    monkeypatch.setattr(Slot, "tell", failing)
+    with capture_logs() as logs:
+        other, done = beside_other(harness, whole)
+    assert len(refused) >= ALONE_TOKENS
+    assert done.finish_reason == "length" and done.token_ids == alone["mine"].token_ids
+    assert [r for r, _ in finishes] == ["length"]
+    assert not [e for e in logs if e["event"] == CRASHED]
+    other_alone_and_idle(harness, other, alone)
+
+
+def test_offers_and_answers_that_raise_are_taken_at_once(
+        harness: EngineHarness, alone: dict[str, Completion], finishes: list[tuple[str, int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Ready and NoWork the poisoned slot tells the Batcher raises. The Batcher takes
+    each at once instead (it waits for an answer from every slot it served, so one lost
+    would stop every request): both requests give their alone tokens."""
+    engine = harness.engine
+    failing, refused = raising(Ready | NoWork,
+                               lambda _, msg: poisoned(engine.slots[msg.slot_id]),
+                               actor=Batcher)
+    monkeypatch.setattr(Batcher, "tell", failing)
+    with capture_logs() as logs:
+        other, done = beside_other(harness, whole)
+    assert sum(isinstance(m, Ready) for m in refused) >= ALONE_TOKENS
+    assert done.finish_reason == "length" and done.token_ids == alone["mine"].token_ids
+    assert [r for r, _ in finishes] == ["length"]
     assert not [e for e in logs if e["event"] == CRASHED]
     other_alone_and_idle(harness, other, alone)
 

@@ -46,6 +46,13 @@ class Address(Protocol[M_contra]):
     def room(self) -> int: ...
 
 
+class Handler(Address[M_contra], Protocol[M_contra]):
+    """An actor's address with `tell_or_handle`: for the messages without which what they
+    concern would wait forever (a step's result, a cancel)."""
+
+    def tell_or_handle(self, msg: M_contra, failure: str, **context: object) -> None: ...
+
+
 def try_tell(target: Address[M_contra], msg: M_contra, failure: str,
              **context: object) -> Exception | None:
     """Tell `target` `msg`; None when told. A tell that raises (a full or closed mailbox: a
@@ -82,6 +89,21 @@ class Actor(ABC, Generic[M]):
             raise MailboxFullError(f"{self.name}: mailbox full ({self.mailbox_size})")
         self._mailbox.append(msg)
         self._schedule()
+
+    def tell_or_handle(self, msg: M, failure: str, **context: object) -> None:
+        """Tell `msg`; should the tell raise (a full mailbox: a protocol bug, logged as
+        `failure`), handle it now, from outside the mailbox, contained as a handler that
+        raised would be. For the messages whose loss would leave what they concern waiting
+        forever: a step's result (the slot would never offer again, its request never
+        finish), a cancel (the slot would decode for nobody to max_tokens, holding pages).
+        Handled ahead of what is queued, so such a message must stand on its own (each
+        carries the epoch it is for)."""
+        if try_tell(self, msg, failure, actor=self.name, **context) is None:
+            return
+        try:
+            self.handle(msg)
+        except Exception as exc:
+            self.contain(msg, exc)
 
     def room(self) -> int:
         """Messages the mailbox can still take."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from slotserve.actors.base import Actor, Address, try_tell
+from slotserve.actors.base import Actor, Handler, try_tell
 from slotserve.actors.messages import (
     BatcherMessage,
     Ready,
@@ -32,6 +32,7 @@ from slotserve.runtime.mlx_thread import MLXThread
 from slotserve.runtime.runner import ModelRunner, RowWork
 
 log = structlog.get_logger("slotserve.batcher")
+_UNTOLD_RESULT = "telling a slot its step result failed: it takes it now"
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Batcher(Actor[BatcherMessage]):
             if work:
                 await self._step(work)
 
-    def _plan(self) -> list[tuple[Address[SlotMessage], RowWork]]:
+    def _plan(self) -> list[tuple[Handler[SlotMessage], RowWork]]:
         """Decode rows first (one token each), then prefill chunks under the token budget.
 
         Prefill: the oldest waiting prompt always gets at least half the budget (nothing
@@ -164,7 +165,7 @@ class Batcher(Actor[BatcherMessage]):
             end = (work.start // self.align + 1) * self.align
         return min(end - work.start, len(work.tokens))
 
-    async def _step(self, planned: list[tuple[Address[SlotMessage], RowWork]]) -> None:
+    async def _step(self, planned: list[tuple[Handler[SlotMessage], RowWork]]) -> None:
         t0 = time.perf_counter()
         work = [w for _, w in planned]
         for w in work:  # sliding-window layers: rows for the pages these rows write
@@ -175,10 +176,14 @@ class Batcher(Actor[BatcherMessage]):
         except Exception as exc:  # contain: fail these requests, keep serving
             log.exception("step failed", rows=sum(len(w.tokens) for w in work))
             for slot, w in planned:
-                slot.tell(StepFailed(w.epoch, f"model step failed: {exc}"))
+                slot.tell_or_handle(StepFailed(w.epoch, f"model step failed: {exc}"),
+                                    _UNTOLD_RESULT, slot_id=w.slot_id)
             return
+        # every served slot gets its result, whatever another's tell does: a slot without
+        # one never offers again, and the Batcher waits for its answer
         for slot, w in planned:
-            slot.tell(StepDone(w.epoch, len(w.tokens), out.sampled.get(w.slot_id)))
+            slot.tell_or_handle(StepDone(w.epoch, len(w.tokens), out.sampled.get(w.slot_id)),
+                                _UNTOLD_RESULT, slot_id=w.slot_id)
         tick = time.perf_counter() - t0
         st = self.stats
         st.steps += 1

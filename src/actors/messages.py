@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from slotserve.actors.base import Address
+from slotserve.actors.base import Address, Handler
 from slotserve.runtime.grammar import Grammar, Matcher
 from slotserve.runtime.runner import RowWork, Sampled
 from slotserve.runtime.sampling import RowState, SamplingParams
@@ -153,7 +153,7 @@ class Ready:
     work: RowWork
     prefilling: bool
     arrived_at: float
-    slot: Address[SlotMessage]
+    slot: Handler[SlotMessage]
     background: bool = False  # GenerationRequest.background: the budget left over only
 
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import structlog
 
-from slotserve.actors.base import Actor, Address, try_tell
+from slotserve.actors.base import Actor, Address, Handler, try_tell
 from slotserve.actors.kv_cache import Chain
 from slotserve.actors.messages import (
     Assign,
@@ -77,7 +77,7 @@ class Placement(Protocol):
 class Slot(Actor[SlotMessage]):
     mailbox_size = 16
 
-    def __init__(self, slot_id: int, kv: SlotKV, batcher: Address[BatcherMessage]) -> None:
+    def __init__(self, slot_id: int, kv: SlotKV, batcher: Handler[BatcherMessage]) -> None:
         super().__init__(f"slot-{slot_id}")
         self.id = slot_id
         self.kv = kv
@@ -134,7 +134,7 @@ class Slot(Actor[SlotMessage]):
             self.in_flight = False
             if msg.epoch == self.epoch and self.request is not None:
                 self._finish("error", msg.error)
-            self.batcher.tell(NoWork(self.id))
+            self._answer_batcher(NoWork(self.id))
             self._idle()
         elif isinstance(msg, Withdrawn):
             self.in_flight = False
@@ -177,14 +177,8 @@ class Slot(Actor[SlotMessage]):
         stop string matched, the engine shutting down) must go on (close, shut the others
         down), and the slot must not decode for nobody until its max_tokens, holding its
         pages. Its pages go back through the finish path either way."""
-        msg = Cancel(epoch, reason)
-        if try_tell(self, msg, "telling a slot to cancel failed: it cancels now",
-                    slot=self.id, reason=reason) is None:
-            return
-        try:
-            self._cancel(msg)
-        except Exception as exc:
-            self.contain(msg, exc)  # as if its handler had raised: the request fails
+        self.tell_or_handle(Cancel(epoch, reason),
+                            "telling a slot to cancel failed: it cancels now", reason=reason)
 
     def _withdraw(self) -> None:
         """Ask the Batcher to drop the offer that is out (Withdraw). Should the tell raise,
@@ -238,9 +232,16 @@ class Slot(Actor[SlotMessage]):
             epoch=self.epoch,
         )
         self.in_flight = True
-        self.batcher.tell(Ready(self.id, self.epoch, work, self.prefilling, self.arrived_at,
-                                self, req.background))
+        self._answer_batcher(Ready(self.id, self.epoch, work, self.prefilling,
+                                   self.arrived_at, self, req.background))
         return True
+
+    def _answer_batcher(self, msg: Ready | NoWork) -> None:
+        """Offer (Ready) or answer that there is nothing (NoWork): the Batcher waits for one
+        of them from every slot it served before it steps again, so one that cannot be told
+        is handled now, never dropped (a dropped one would stop every request's decoding)."""
+        self.batcher.tell_or_handle(msg, "telling the batcher failed: it takes it now",
+                                    slot=self.id)
 
     def _answer(self) -> None:
         """After a step result: offer again, or tell the Batcher there is nothing (it waits
@@ -249,12 +250,12 @@ class Slot(Actor[SlotMessage]):
             self._step_back()
         elif self._offer():
             return
-        self.batcher.tell(NoWork(self.id))
+        self._answer_batcher(NoWork(self.id))
 
     def _step_done(self, msg: StepDone) -> None:
         self.in_flight = False
         if msg.epoch != self.epoch or self.request is None:
-            self.batcher.tell(NoWork(self.id))
+            self._answer_batcher(NoWork(self.id))
             self._idle()
             return
         req, session = self.request, self.session
@@ -268,7 +269,7 @@ class Slot(Actor[SlotMessage]):
             self.state.observe(s.token)
             if s.token in req.stop_ids:
                 self._finish("stop")
-                self.batcher.tell(NoWork(self.id))
+                self._answer_batcher(NoWork(self.id))
                 return
             lp = None if s.logprob is None else TokenLogprob(s.token, s.logprob, s.top_logprobs)
             session.tell(TokenEvent(s.token, lp))
@@ -278,16 +279,16 @@ class Slot(Actor[SlotMessage]):
                 self.matcher = self.matcher.current()
             if self.generated >= req.max_tokens:
                 self._finish("length")
-                self.batcher.tell(NoWork(self.id))
+                self._answer_batcher(NoWork(self.id))
                 return
             self.pending = [s.token]
         if self.preempt_requested:
             self._step_back()
-            self.batcher.tell(NoWork(self.id))
+            self._answer_batcher(NoWork(self.id))
             return
         if session.room() < 2:  # backpressure: skip ticks until the session drains
             self.waiting_for_client = True
-            self.batcher.tell(NoWork(self.id))
+            self._answer_batcher(NoWork(self.id))
             return
         self._answer()
 
@@ -299,7 +300,7 @@ class Slot(Actor[SlotMessage]):
             return False
         self._finish("error" if error else "stop",
                      f"constrained decoding failed: {error}" if error else None)
-        self.batcher.tell(NoWork(self.id))
+        self._answer_batcher(NoWork(self.id))
         return True
 
     def _idle(self) -> None:
@@ -366,5 +367,5 @@ class Slot(Actor[SlotMessage]):
         if self.request is not None and self.session is not None:
             self._finish("error", f"internal error in slot: {exc}")
         if was_step:  # the Batcher waits for every served slot's answer
-            self.batcher.tell(NoWork(self.id))
+            self._answer_batcher(NoWork(self.id))
             self._idle()
