@@ -346,6 +346,18 @@ def whole(engine: Engine) -> Any:
         engine.render_chat(MINE), cache_salt=POISON, **opts())))
 
 
+def served_as_alone(h: EngineHarness, alone: dict[str, Completion],
+                    finishes: list[tuple[str, int]]) -> None:
+    """The poisoned request in full beside the other: both give their alone tokens, it
+    finishes once as asked, nothing crashes and the KV accounting is back to idle."""
+    with capture_logs() as logs:
+        other, done = beside_other(h, whole)
+    assert done.finish_reason == "length" and done.token_ids == alone["mine"].token_ids
+    assert [r for r, _ in finishes] == ["length"]
+    assert not [e for e in logs if e["event"] == CRASHED]
+    other_alone_and_idle(h, other, alone)
+
+
 def test_step_results_that_raise_are_taken_at_once(
         harness: EngineHarness, alone: dict[str, Completion], finishes: list[tuple[str, int]],
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -354,13 +366,8 @@ def test_step_results_that_raise_are_taken_at_once(
     request gives its alone tokens and finishes as asked, the other is undisturbed."""
     failing, refused = raising(StepDone)
     monkeypatch.setattr(Slot, "tell", failing)
-    with capture_logs() as logs:
-        other, done = beside_other(harness, whole)
+    served_as_alone(harness, alone, finishes)
     assert len(refused) >= ALONE_TOKENS
-    assert done.finish_reason == "length" and done.token_ids == alone["mine"].token_ids
-    assert [r for r, _ in finishes] == ["length"]
-    assert not [e for e in logs if e["event"] == CRASHED]
-    other_alone_and_idle(harness, other, alone)
 
 
 def test_offers_and_answers_that_raise_are_taken_at_once(
@@ -374,13 +381,8 @@ def test_offers_and_answers_that_raise_are_taken_at_once(
                                lambda _, msg: poisoned(engine.slots[msg.slot_id]),
                                actor=Batcher)
     monkeypatch.setattr(Batcher, "tell", failing)
-    with capture_logs() as logs:
-        other, done = beside_other(harness, whole)
+    served_as_alone(harness, alone, finishes)
     assert sum(isinstance(m, Ready) for m in refused) >= ALONE_TOKENS
-    assert done.finish_reason == "length" and done.token_ids == alone["mine"].token_ids
-    assert [r for r, _ in finishes] == ["length"]
-    assert not [e for e in logs if e["event"] == CRASHED]
-    other_alone_and_idle(harness, other, alone)
 
 
 # ---- shutdown --------------------------------------------------------------------------------
