@@ -30,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -458,6 +459,79 @@ def micro_attention(slots: tuple[int, ...] = (8, 64, 128), span: int = 256, kv_h
     return [_attention_case(n, span, kv_heads, head_dim, group) for n in slots]
 
 
+def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
+                         split_blocks: tuple[int, ...] = (8, 4, 2, 1),
+                         staged_blocks: tuple[int, ...] = (256, 4096),
+                         kv_heads: int = 8, head_dim: int = 128,
+                         group: int = 4) -> list[dict[str, Any]]:
+    """One layer's decode attention of one row at long contexts (Llama-3-8B heads) through
+    slotserve's kernel, for each split size and staging limit: what decode at 16k waits
+    for. Sets launch.SPLIT_BLOCKS / STAGED_BLOCKS for the sweep and puts them back."""
+    import mlx.core as mx
+
+    from slotserve.kernels.cuda import launch
+
+    out: list[dict[str, Any]] = []
+    if not cuda.enabled():
+        return out
+    saved = launch.SPLIT_BLOCKS, launch.STAGED_BLOCKS
+    try:
+        for span in spans:
+            nb = span // 128
+            keys = mx.random.normal((nb * kv_heads * 128, head_dim)).astype(mx.bfloat16)
+            values = mx.random.normal((nb * kv_heads * 128, head_dim)).astype(mx.bfloat16)
+            tables = mx.random.permutation(nb * kv_heads).reshape(1, nb, kv_heads)
+            tables = tables.astype(mx.int32)
+            q = mx.random.normal((1, kv_heads * group, head_dim)).astype(mx.bfloat16)
+            pos, row_table = mx.array([span - 1], mx.int32), mx.zeros((1,), mx.int32)
+            mx.eval(keys, values, tables, q)
+            call = partial(cuda.paged_attention, q, keys, values, tables, row_table, pos,
+                           head_dim**-0.5)
+            for sb in split_blocks:
+                for st in staged_blocks:
+                    launch.SPLIT_BLOCKS, launch.STAGED_BLOCKS = sb, st
+                    t = _timed(call)
+                    r = {"span": span, "split_blocks": sb, "staged_blocks": st,
+                         "staged": launch.attention_staged(launch.attention_splits(nb),
+                                                           kv_heads),
+                         "us": round(t * 1e6, 1),
+                         "gbps": round(2 * span * kv_heads * head_dim * 2 / t / GB, 1)}
+                    out.append(r)
+                    emit({"micro_long_attention": r})
+    finally:
+        launch.SPLIT_BLOCKS, launch.STAGED_BLOCKS = saved
+    return out
+
+
+def micro_sampler(rows: tuple[int, ...] = (1, 8, 64), vocab: int = 128256) -> list[dict[str, Any]]:
+    """The device sampler's time per step on [N, vocab] logits (the 8B's vocabulary):
+    greedy, temperature alone, top_p 0.9, top_k 40, and MLX's sort of the rows alone."""
+    import mlx.core as mx
+
+    from slotserve.runtime.sampling import RowState, SamplingParams, draft_rows
+
+    cases = {"greedy": SamplingParams(temperature=0.0),
+             "temperature": SamplingParams(temperature=0.7, seed=1),
+             "top_p": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+             "top_k": SamplingParams(temperature=0.7, top_k=40, seed=1)}
+    out = []
+    for n in rows:
+        logits = (mx.random.normal((n, vocab)) * 3).astype(mx.bfloat16)
+        mx.eval(logits)
+        r: dict[str, Any] = {"rows": n}
+        for name, params in cases.items():
+            states = [RowState(params) for _ in range(n)]
+            t = _timed(lambda lg=logits, ps=[params] * n, st=states: draft_rows(
+                lg, ps, st, on_device=True).tokens)
+            r[f"{name}_us"] = round(t * 1e6, 1)
+        f = logits.astype(mx.float32)
+        r["sort_us"] = round(_timed(partial(mx.sort, f, axis=-1)) * 1e6, 1)
+        r["cumsum_us"] = round(_timed(partial(mx.cumsum, f, axis=-1)) * 1e6, 1)
+        out.append(r)
+        emit({"micro_sampler": r})
+    return out
+
+
 # ---- engine-level checks ---------------------------------------------------------------------
 
 
@@ -664,15 +738,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON report path (default: stdout only)")
     p.add_argument("--micro", action="store_true",
                    help="only the micro-benchmarks (matmul by rows, attention); no model")
+    p.add_argument("--micro-parts", default="matmul,attention",
+                   help="with --micro: of matmul, attention, long_attention, sampler")
     args = p.parse_args(argv)
     if args.micro:
         import mlx.core as mx
 
         if args.device == "gpu":
             mx.set_default_device(mx.gpu)
+        parts = {"matmul": micro_matmul, "attention": micro_attention,
+                 "long_attention": micro_long_attention, "sampler": micro_sampler}
         report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "mlx": mx.__version__,
-                  "memory": memory_bandwidth(), "graph_build_us": graph_build_us(),
-                  "matmul": micro_matmul(), "attention": micro_attention()}
+                  "memory": memory_bandwidth(), "graph_build_us": graph_build_us()}
+        for part in args.micro_parts.split(","):
+            report[part] = parts[part]()
     else:
         report = anyio.run(run, args)
     text = json.dumps(report, indent=2)
