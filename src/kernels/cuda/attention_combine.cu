@@ -21,19 +21,47 @@
   }
   const int splits = row_pos[r] / (128 * SPLIT_BLOCKS) + 1;  // the splits holding its keys
   const float* src = part + ((size_t)r * HKV + h) * S * G * (D + 2);
+  // Each pass takes 8 splits' loads at once, then their arithmetic in split order: a loop
+  // of one dependent L2 load per split left a 16k-context row (16 splits x 2 passes x G
+  // heads) waiting ~128 round trips; the order of every max and fma is the loop's.
+  constexpr int CHUNK = 8;
+  const size_t stride = (size_t)G * (D + 2);  // from one split to the next
   if (tid < D) {
 #pragma unroll
     for (int gg = 0; gg < G; ++gg) {
+      const float* g0 = src + (size_t)gg * (D + 2);
       float m = neg_inf();
-      for (int s = 0; s < splits; ++s) m = fmaxf(m, src[((size_t)s * G + gg) * (D + 2) + D]);
+      for (int s0 = 0; s0 < splits; s0 += CHUNK) {
+        float pm[CHUNK];
+#pragma unroll
+        for (int u = 0; u < CHUNK; ++u)
+          pm[u] = s0 + u < splits ? g0[(s0 + u) * stride + D] : neg_inf();
+#pragma unroll
+        for (int u = 0; u < CHUNK; ++u) m = fmaxf(m, pm[u]);
+      }
       const float sink = SINKS ? sinks[h * G + gg] : neg_inf();
       if (SINKS) m = fmaxf(m, sink);
       float sum = -0.0f, acc = -0.0f;  // (x + -0 is x, signed zeros included)
-      for (int s = 0; s < splits; ++s) {
-        const float* p = src + ((size_t)s * G + gg) * (D + 2);
-        const float f = p[D] == m ? 1.0f : p[D] == neg_inf() ? 0.0f : exp2f(p[D] - m);
-        sum = __fmaf_rn(p[D + 1], f, sum);
-        acc = __fmaf_rn(p[tid], f, acc);
+      for (int s0 = 0; s0 < splits; s0 += CHUNK) {
+        const int n = min(CHUNK, splits - s0);
+        float pm[CHUNK], psum[CHUNK], pval[CHUNK];
+#pragma unroll
+        for (int u = 0; u < CHUNK; ++u) {
+          if (u < n) {
+            const float* p = g0 + (s0 + u) * stride;
+            pm[u] = p[D];
+            psum[u] = p[D + 1];
+            pval[u] = p[tid];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < CHUNK; ++u) {
+          if (u < n) {
+            const float f = pm[u] == m ? 1.0f : pm[u] == neg_inf() ? 0.0f : exp2f(pm[u] - m);
+            sum = __fmaf_rn(psum[u], f, sum);
+            acc = __fmaf_rn(pval[u], f, acc);
+          }
+        }
       }
       if (SINKS) sum = sum + exp2f(sink - m);
       out[base + (size_t)gg * D + tid] = __float2bfloat16(acc / sum);
