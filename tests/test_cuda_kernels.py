@@ -3,6 +3,7 @@ their batch invariance, on the GPU (skipped where MLX has no CUDA GPU, e.g. CI).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ from slotserve.kernels.cuda import launch, q4
 from slotserve.kernels.cuda.launch import Q4Shape
 from slotserve.kernels.invariance import cuda_attention_invariant
 from slotserve.model.layers import Rope
+from slotserve.runtime.sampling import RowState, SamplingParams, sample_rows, uniform_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -354,3 +356,72 @@ def test_rope_attention_with_sinks_gives_the_two_launches_bits() -> None:
         mx.eval(out)
         outs.append(out)
     assert mx.array_equal(outs[0], outs[1]).item()
+
+
+_LOG2E = 1.4426950408889634
+
+
+def _reference_draw(z: np.ndarray, scale: float, top_k: int, top_p: float, min_p: float,
+                    u: float) -> int:
+    """sample_draw.cu's rules in exact arithmetic, for rows whose e = 2^((z - max) * scale)
+    are powers of two (integer z, scale 1 or 2), which exp2 gives exactly."""
+    vocab = z.shape[0]
+    e = np.exp2((z.astype(np.float64) - z.max()) * scale)
+    q = np.floor(e * 2.0**40).astype(np.int64)
+    thr, keep_ties = 0.0, vocab
+    if top_k < vocab or top_p < 1.0:
+        order = np.lexsort((np.arange(vocab), -e))  # descending e, ties to the lower id
+        kk = min(top_k, vocab)
+        c = kk
+        if top_p < 1.0:
+            p = math.ceil(float(np.float32(top_p)) * float(int(q[order[:kk]].sum())))
+            c = min(kk, int(np.argmax(np.cumsum(q[order]) >= p)) + 1)
+        thr = e[order[c - 1]]
+        keep_ties = c - int((e > thr).sum())
+    keep = (e >= float(np.float32(min_p))) & (e >= thr)
+    ties = np.nonzero(keep & (e == thr))[0] if thr > 0 else np.zeros(0, np.int64)
+    keep[ties[keep_ties:]] = False
+    kept = np.where(keep, q, 0)
+    target = math.floor(u * float(int(kept.sum())))
+    return int(np.argmax(np.cumsum(kept) > target))
+
+
+def test_sample_draw_matches_the_exact_reference() -> None:
+    """Every knob mix on tie-heavy rows of the 8B's vocabulary (integer logits: a few
+    distinct values, so thresholds fall inside runs of ties), against exact arithmetic."""
+    rng = np.random.default_rng(7)
+    vocab, n = 128256, 48
+    spans = rng.choice([4, 13, 45], size=n)  # 45: some e below 2^-40 (no mass)
+    z = np.stack([rng.integers(-int(s), 1, vocab) for s in spans]).astype(np.float32)
+    knobs = [(float(rng.choice([_LOG2E, _LOG2E / 2])), int(rng.choice([2, 40, 5000, 0, 0])),
+              float(rng.choice([1.0, 0.1, 0.5, 0.9, 0.99])),
+              float(rng.choice([0.0, 0.0, 0.01, 0.3]))) for _ in range(n)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp, seed=100 + i)
+              for i, (t, k, p, mp) in enumerate(knobs)]
+    positions = rng.integers(0, 10_000, n).tolist()
+    got = sample_rows(mx.array(z), params, [RowState(p) for p in params], positions,
+                      on_device=True).tokens
+    want = [_reference_draw(z[i], round(_LOG2E / p.temperature), p.top_k or vocab, p.top_p,
+                            p.min_p, uniform_for(p.seed, positions[i]))
+            for i, p in enumerate(params)]
+    assert got == want, [(i, params[i]) for i in range(n) if got[i] != want[i]]
+
+
+def test_sample_draw_agrees_with_the_host_sampler_on_peaked_rows() -> None:
+    """Real-valued logits where one token or a few dominate: float rounding decides nothing
+    there, so the kernel and the host path (runtime.sampling, float sums) draw alike."""
+    rng = np.random.default_rng(8)
+    vocab, n = 128256, 32
+    z = rng.standard_normal((n, vocab)).astype(np.float32)
+    for i in range(n):  # the rest of the row: ~1e-4 of the mass at temperature 1.2
+        z[i, rng.choice(vocab, 6, replace=False)] += rng.uniform(25, 30, 6)
+    params = [SamplingParams(temperature=float(rng.uniform(0.5, 1.2)),
+                             top_k=int(rng.choice([0, 3, 40])),
+                             top_p=float(rng.choice([1.0, 0.8, 0.95])),
+                             min_p=float(rng.choice([0.0, 0.05])), seed=200 + i)
+              for i in range(n)]
+    states = [RowState(p) for p in params]
+    for pos in range(4):
+        host = sample_rows(mx.array(z), params, states, [pos] * n).tokens
+        dev = sample_rows(mx.array(z), params, states, [pos] * n, on_device=True).tokens
+        assert dev == host, pos

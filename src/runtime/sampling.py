@@ -38,7 +38,11 @@ and sequential running sums are the prefix's; tests/test_device_sampling.py chec
   step's tokens, so the runner can queue the next step on the lazy tokens. Rows that rank
   (top_k / top_p) get one full sort of their vocabulary: its width never depends on the
   batch, so neither do the device's scan and reduction shapes (MLX's CUDA scan picks its
-  block size from the row length), and a nucleus of any width costs the same.
+  block size from the row length), and a nucleus of any width costs the same. On
+  slotserve's CUDA kernels the truncation and the draw are one launch after that sort
+  (kernels.cuda.sample_draw): the same rules, with masses summed as 40-bit fixed-point
+  integers (exact, so a token can differ from these float sums only where their rounding
+  decides it) and the uniform hashed in the launch.
 - ``on_device=False`` (the CPU's unpipelined steps): a top-k prefix (a linear partition
   on the CPU) with host checks, and numpy's sort for wide nuclei: MLX's CPU sort is several
   times slower than numpy's, and an unpipelined step has nothing to overlap a sync with.
@@ -54,6 +58,8 @@ from types import MappingProxyType
 
 import mlx.core as mx
 import numpy as np
+
+from slotserve.kernels import cuda
 
 __all__ = [
     "KNOB_RANGES",
@@ -536,16 +542,21 @@ def _device_truncation_mask(
 
 
 def _draw(
-    z: mx.array, row_max: mx.array, params: Sequence[SamplingParams], uniforms: mx.array,
-    on_device: bool = False,
+    z: mx.array, row_max: mx.array, params: Sequence[SamplingParams], seeds: Sequence[int],
+    draws: Sequence[int], on_device: bool = False,
 ) -> mx.array:
-    """Inverse-CDF draw for non-greedy rows (uniforms float32 [n]); returns token ids [n]."""
+    """Inverse-CDF draw for non-greedy rows, each with the uniform of its (seed, draw
+    position); returns token ids [n]."""
     n, vocab = z.shape
     scale = np.array([_LOG2E / p.temperature for p in params], np.float32)
-    e = mx.power(2.0, (z - row_max[:, None]) * mx.array(scale)[:, None])
     k_eff = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params], np.int64)
     top_p = np.array([p.top_p for p in params], np.float32)
     min_p = np.array([p.min_p for p in params], np.float32)
+    if on_device and cuda.enabled():  # one launch on slotserve's CUDA kernels
+        return cuda.sample_draw(z, row_max, scale, k_eff, top_p, min_p, seeds, draws)
+    uniforms = (device_uniforms(seeds, draws) if on_device else
+                mx.array(np.array(list(map(uniform_for, seeds, draws)), np.float32)))
+    e = mx.power(2.0, (z - row_max[:, None]) * mx.array(scale)[:, None])
     total = mx.sum(e, axis=-1)
     mask = _device_truncation_mask if on_device else _truncation_mask
     keep = mask(e, total, k_eff, top_p, min_p)
@@ -668,15 +679,14 @@ def draft_rows(
         return SampleDraft(arg, z, row_max)
     rows = np.nonzero(~greedy)[0]
     seeds, draws = [states[i].seed for i in rows], [positions[i] for i in rows]
-    uniforms = (device_uniforms(seeds, draws) if on_device else
-                mx.array(np.array(list(map(uniform_for, seeds, draws)), np.float32)))
     assert row_max is not None
     if len(rows) == n:
-        drawn = _draw(z, row_max, list(params), uniforms, on_device)
+        drawn = _draw(z, row_max, list(params), seeds, draws, on_device)
         return SampleDraft(drawn.astype(mx.int32), z, row_max)
     sel = mx.array(rows.astype(np.int32))
     zs, ms = mx.take(z, sel, axis=0), mx.take(row_max, sel, axis=0)
-    drawn = _draw(zs, ms, [params[i] for i in rows], uniforms, on_device).astype(mx.int32)
+    drawn = _draw(zs, ms, [params[i] for i in rows], seeds, draws,
+                  on_device).astype(mx.int32)
     assert arg is not None
     # put each drawn token at its row; greedy rows keep their argmax
     scattered = mx.zeros((n,), mx.int32).at[sel].add(drawn)

@@ -12,6 +12,8 @@ launches each one:
   head) over the row's own slot in the paged KV pool; decode and prefill rows are the same
   work. `rope_attention` does the rotation and the K/V write inside that launch on decode
   steps.
+* `sample_draw` (sample.py, sample_draw.cu): the sampled rows' truncation and draw in one
+  launch, a block per row, with integer masses.
 * `rope_write` and `swiglu` (glue.py): the elementwise glue in one launch each;
   `rope_write` also puts K/V straight into the pool (no scatter ops).
 
@@ -33,6 +35,7 @@ from slotserve.kernels.cuda.attention import (
 )
 from slotserve.kernels.cuda.glue import rope_write, swiglu
 from slotserve.kernels.cuda.q4 import paired_rows, q4_matmul, q4_pack, q4_supported, rms_rows
+from slotserve.kernels.cuda.sample import sample_draw
 
 __all__ = [
     "attention_supported",
@@ -45,6 +48,7 @@ __all__ = [
     "rms_rows",
     "rope_attention",
     "rope_write",
+    "sample_draw",
     "swiglu",
 ]
 

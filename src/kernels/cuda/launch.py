@@ -51,6 +51,7 @@ STAGED_BLOCKS = 256  # paged_attention stages K/V in launches of up to this many
 GLUE_THREADS = 256  # threads a block of the elementwise kernels (rope_write, swiglu)
 ATTENTION_THREADS = 128  # threads a block of the attention kernels (one per key of a block)
 SPLIT_BLOCKS = 8  # key blocks (of 128) a split of a long row's attention takes
+SAMPLE_THREADS = 1024  # threads a block of sample_draw (one row); sample_draw.cuh's too
 
 
 @dataclass(frozen=True)
