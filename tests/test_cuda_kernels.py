@@ -274,7 +274,9 @@ def test_long_rows_are_split_and_keep_their_bits(group: int, head_dim: int,
     keys, values, kpool, vpool, tables = _paged_kv(2, hkv, cap, d, 100, 110)
     assert launch.attention_splits(tables.shape[1]) == 3
     q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(120)).astype(mx.bfloat16)
-    positions = [5, 127, 900, 1023, 1024, 1500, 2047, 2048, cap - 2, cap - 1]
+    split = launch.SPLIT_BLOCKS * BLOCK  # keys a split (1,024 at 8 blocks)
+    positions = [5, 127, split - 124, split - 1, split, split + 476, 2 * split - 1, 2 * split,
+                 cap - 2, cap - 1]
     slots = [1, 0, 1, 0, 1, 1, 0, 1, 0, 1]
     rows = mx.array(positions, dtype=mx.int32)
     scale = d**-0.5
@@ -310,7 +312,8 @@ def test_attention_sinks_match_reference_and_keep_split_bits(group: int, head_di
     hq = hkv * group
     sinks = mx.random.normal((hq,), key=mx.random.key(230)) * 2.0
     q = mx.random.normal((cap, hq, d), key=mx.random.key(240)).astype(mx.bfloat16)
-    positions = [0, 5, 300, 1023, 1024, 1100, cap - 1]
+    split = launch.SPLIT_BLOCKS * BLOCK
+    positions = [0, 5, 300, split - 1, split, split + 76, cap - 1]
     rows = mx.array(positions, dtype=mx.int32)
     slot = mx.zeros((len(positions),), mx.int32)
     scale = d**-0.5
