@@ -31,7 +31,8 @@
 #   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers)
 #   sass   the 1-row gate+up launch's SASS with per-instruction counts; warp states of it and
 #          of the 1-row attention (ncu)
-#   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention
+#   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention; one long
+#          row's attention by split size; the device sampler by rows ($MICRO_PARTS picks)
 #   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
 #   peer_transformers  bench/peer_transformers.py: transformers generate_batch, bf16, 8B shape
 #   peer_build  llama.cpp b11434 with CUDA (sm_90) from .gpupeer/llama.cpp-src.tar.xz
@@ -354,8 +355,9 @@ if want sass; then
 fi
 
 if want micro; then
-  stage "micro: matmul by rows, KV traffic per layer"
-  timeout 200 $PY bench/gpu_bench.py --micro --out "$OUT/micro.json" | grep -v '^ \|^[{}]$'
+  stage "micro: ${MICRO_PARTS:=matmul,attention,long_attention,sampler}"
+  timeout 300 $PY bench/gpu_bench.py --micro --micro-parts "$MICRO_PARTS" \
+    --out "$OUT/micro.json" | grep -v '^ \|^[{}]$'
 fi
 
 if want bf16; then
