@@ -27,7 +27,7 @@
   const int C = (V + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
   const int lo = min(V, tid * C), hi = min(V, lo + C);
   __shared__ unsigned long long scan_warps[SAMPLE_THREADS / 32 + 1];
-  __shared__ unsigned long long found_at[2];  // [0]: rank or token index, [1]: a mass
+  __shared__ unsigned long long found_at[2];  // [0]: the rank or token index found ([1] unused)
   const float* zr = z + (size_t)row * V;
   const float m = row_max[row];
   const float scale = knobs[row * 3], top_p = knobs[row * 3 + 1], min_p = knobs[row * 3 + 2];
