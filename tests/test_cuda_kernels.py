@@ -16,7 +16,13 @@ from slotserve.kernels.cuda import launch, q4
 from slotserve.kernels.cuda.launch import Q4Shape
 from slotserve.kernels.invariance import cuda_attention_invariant
 from slotserve.model.layers import Rope
-from slotserve.runtime.sampling import RowState, SamplingParams, sample_rows, uniform_for
+from slotserve.runtime.sampling import (
+    _LOG2E,  # temperature _LOG2E / s gives the sampler's scale s exactly
+    RowState,
+    SamplingParams,
+    sample_rows,
+    uniform_for,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -360,8 +366,6 @@ def test_rope_attention_with_sinks_gives_the_two_launches_bits() -> None:
         outs.append(out)
     assert mx.array_equal(outs[0], outs[1]).item()
 
-
-_LOG2E = 1.4426950408889634
 
 
 def _reference_draw(z: np.ndarray, scale: float, top_k: int, top_p: float, min_p: float,
