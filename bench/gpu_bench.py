@@ -460,13 +460,13 @@ def micro_attention(slots: tuple[int, ...] = (8, 64, 128), span: int = 256, kv_h
 
 
 def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
-                         split_blocks: tuple[int, ...] = (8, 4, 2, 1),
-                         staged_blocks: tuple[int, ...] = (256, 4096),
+                         split_blocks: tuple[int, ...] = (8, 4, 2), chunk: int = 1024,
                          kv_heads: int = 8, head_dim: int = 128,
                          group: int = 4) -> list[dict[str, Any]]:
-    """One layer's decode attention of one row at long contexts (Llama-3-8B heads) through
-    slotserve's kernel, for each split size and staging limit: what decode at 16k waits
-    for. Sets launch.SPLIT_BLOCKS / STAGED_BLOCKS for the sweep and puts them back."""
+    """One layer's attention at long contexts (Llama-3-8B heads) through slotserve's kernel,
+    for each split size: one decode row at the span's last position (what decode at 16k
+    waits for) and the prefill chunk of `chunk` rows ending there, in tiles (what a long
+    prompt's prefill waits for). Sets launch.SPLIT_BLOCKS for the sweep and puts it back."""
     import mlx.core as mx
 
     from slotserve.kernels.cuda import launch
@@ -474,7 +474,7 @@ def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
     out: list[dict[str, Any]] = []
     if not cuda.enabled():
         return out
-    saved = launch.SPLIT_BLOCKS, launch.STAGED_BLOCKS
+    saved = launch.SPLIT_BLOCKS
     try:
         for span in spans:
             nb = span // 128
@@ -482,24 +482,34 @@ def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
             values = mx.random.normal((nb * kv_heads * 128, head_dim)).astype(mx.bfloat16)
             tables = mx.random.permutation(nb * kv_heads).reshape(1, nb, kv_heads)
             tables = tables.astype(mx.int32)
-            q = mx.random.normal((1, kv_heads * group, head_dim)).astype(mx.bfloat16)
-            pos, row_table = mx.array([span - 1], mx.int32), mx.zeros((1,), mx.int32)
-            mx.eval(keys, values, tables, q)
-            call = partial(cuda.paged_attention, q, keys, values, tables, row_table, pos,
-                           head_dim**-0.5)
+            n = min(chunk, span)
+            q = mx.random.normal((n, kv_heads * group, head_dim)).astype(mx.bfloat16)
+            pos = mx.arange(span - n, span, dtype=mx.int32)
+            row_table = mx.zeros((n,), mx.int32)
+            tiles = mx.array(launch.attention_tiles([(0, n)], n, n), dtype=mx.int32)
+            mx.eval(keys, values, tables, q, pos, tiles)
+            cases = {
+                "decode": partial(cuda.paged_attention, q[-1:], keys, values, tables,
+                                  row_table[-1:], pos[-1:], head_dim**-0.5),
+                "prefill": partial(cuda.paged_attention, q, keys, values, tables, row_table,
+                                   pos, head_dim**-0.5, tiles=tiles),
+            }
             for sb in split_blocks:
-                for st in staged_blocks:
-                    launch.SPLIT_BLOCKS, launch.STAGED_BLOCKS = sb, st
+                launch.SPLIT_BLOCKS = sb
+                for case, call in cases.items():
                     t = _timed(call)
-                    r = {"span": span, "split_blocks": sb, "staged_blocks": st,
-                         "staged": launch.attention_staged(launch.attention_splits(nb),
-                                                           kv_heads),
+                    rows = 1 if case == "decode" else n
+                    # the keys the rows attend: the chunk's triangle over the span
+                    attended = rows * (span - rows) + rows * (rows + 1) // 2
+                    r = {"span": span, "case": case, "rows": rows, "split_blocks": sb,
                          "us": round(t * 1e6, 1),
-                         "gbps": round(2 * span * kv_heads * head_dim * 2 / t / GB, 1)}
+                         "gbps": round(2 * span * kv_heads * head_dim * 2 / t / GB, 1),
+                         "tflops": round(4 * kv_heads * group * head_dim * attended / t / 1e12,
+                                         1)}
                     out.append(r)
                     emit({"micro_long_attention": r})
     finally:
-        launch.SPLIT_BLOCKS, launch.STAGED_BLOCKS = saved
+        launch.SPLIT_BLOCKS = saved
     return out
 
 

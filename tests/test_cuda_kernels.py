@@ -205,29 +205,43 @@ def test_q4_matmul_norm_gives_rms_rows_bits(n_out: int, k: int) -> None:
             assert mx.array_equal(got, want).item(), (m, i)
 
 
-@pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 128, None), (3, 64, 100)])
-def test_paged_attention_staged_gives_the_same_bits(group: int, head_dim: int,
-                                                    window: int | None) -> None:
-    hkv, cap, d = 2, 3 * BLOCK, head_dim
-    _, _, kpool, vpool, tables = _paged_kv(2, hkv, cap, d, 30, 40)
+@pytest.mark.parametrize(("group", "head_dim", "window", "splits"),
+                         [(4, 128, None, 1), (3, 64, 100, 1), (8, 128, None, 2),
+                          (1, 64, 700, 2), (16, 128, None, 1)])
+def test_paged_attention_tiles_keep_the_bits(group: int, head_dim: int, window: int | None,
+                                             splits: int) -> None:
+    """A step's rows in tiles (launch.attention_tiles: prompt chunks in tiles of
+    ATTENTION_TILE, decode rows, padding) give the bits of the same rows a tile each, and
+    of each row alone: which rows share a block's staged K/V never changes a bit."""
+    hkv, d = 2, head_dim
+    cap = (launch.SPLIT_BLOCKS + 2) * BLOCK if splits > 1 else 3 * BLOCK
+    _, _, kpool, vpool, tables = _paged_kv(3, hkv, cap, d, 30, 40)
+    assert launch.attention_splits(tables.shape[1]) == splits
     q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(50)).astype(mx.bfloat16)
-    positions = [0, 1, 127, 128, 200, 255, 256, cap - 1]
-    slots = [0, 1, 0, 1, -1, 0, 1, 1]  # -1: a padding row
-    # the same rows in a launch below the staging rule (staged) and, repeated, in one above
-    # it (read in place)
-    copies = launch.STAGED_BLOCKS // (len(positions) * hkv) + 1
-    assert launch.attention_staged(len(positions), hkv)
-    assert not launch.attention_staged(copies * len(positions), hkv)
-    outs = []
-    for n in (1, copies):
-        rows = mx.array(positions * n, dtype=mx.int32)
-        outs.append(cuda.paged_attention(q[rows], kpool, vpool, tables,
-                                         mx.array(slots * n, dtype=mx.int32), rows, d**-0.5,
-                                         window))
-    staged, in_place = outs
-    for i in range(copies):
-        part = in_place[i * len(positions) : (i + 1) * len(positions)]
-        assert mx.array_equal(staged, part).item(), i
+    # segments (slot, first position, length): a prompt chunk that starts mid-block and
+    # spans a block edge, a decode row, a chunk shorter than a tile, a long chunk at the end
+    segs = [(0, 100, 45), (1, 200, 1), (2, 0, 7), (1, cap - 70, 70)]
+    positions = [p for _, start, n in segs for p in range(start, start + n)]
+    slots = [s for s, _, n in segs for _ in range(n)]
+    rows, padded = len(positions), len(positions) + 3  # three padding rows
+    firsts = np.cumsum([0] + [n for _, _, n in segs[:-1]])
+    tiles = launch.attention_tiles([(int(f), n) for f, (_, _, n) in zip(firsts, segs,
+                                                                        strict=True)],
+                                   rows, padded)
+    assert len(tiles) < rows  # some tiles hold several rows
+    pos = mx.array([*positions, 0, 0, 0], dtype=mx.int32)
+    slot = mx.array([*slots, -1, -1, -1], dtype=mx.int32)
+    qr = q[pos]
+    scale = d**-0.5
+    tiled = cuda.paged_attention(qr, kpool, vpool, tables, slot, pos, scale, window,
+                                 tiles=mx.array(tiles, dtype=mx.int32))
+    one_each = cuda.paged_attention(qr, kpool, vpool, tables, slot, pos, scale, window)
+    assert mx.array_equal(tiled, one_each).item()
+    assert not mx.any(tiled[rows:]).item()  # padding rows: zeros
+    for i in (0, 44, 45, 46, 52, rows - 1):
+        alone = cuda.paged_attention(qr[i : i + 1], kpool, vpool, tables, slot[i : i + 1],
+                                     pos[i : i + 1], scale, window)
+        assert mx.array_equal(alone[0], tiled[i]).item(), i
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 128), (9, 3, 64)])
@@ -248,8 +262,8 @@ def test_rope_attention_gives_rope_write_and_attentions_bits(heads: int, kv_head
     qkv = qkv.astype(mx.bfloat16)
     # the same rows as prefill rows (rope_write + paged_attention, two launches) and as the
     # decode step they are (one launch)
-    assert not launch.rope_in_attention(4, kv_heads, False)
-    assert launch.rope_in_attention(4, kv_heads, True)
+    assert not launch.rope_in_attention(False, 1)
+    assert launch.rope_in_attention(True, 1)
     outs, pools = [], []
     for one_row_per_slot in (False, True):
         kpool, vpool = mx.array(kflat), mx.array(vflat)

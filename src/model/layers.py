@@ -48,6 +48,7 @@ from slotserve.kernels.attention import (
     span_for,
 )
 from slotserve.kernels.cpu_attention import RopeTables, RowTables
+from slotserve.kernels.cuda.launch import attention_tiles
 from slotserve.model.kv import KVPool, SlotKV, rewindow
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -125,7 +126,8 @@ class Batch:
     prefill: list[tuple[Segment, mx.array]] = field(default_factory=list)  # (seg, blocks)
     order: mx.array | None = None  # puts attention outputs back in row order
     native: RowTables | None = None  # set when the CPU attention kernel runs this step
-    cuda: tuple[mx.array, mx.array, mx.array] | None = None  # GPU kernel: RowTables on device
+    # GPU kernels: RowTables on device (tables, row_table, row_pos) and the attention tiles
+    cuda: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
     # arrays whose evaluation performs K/V writes made in place (cuda.rope_write): a step
     # that asks for no logits must still evaluate them (see written())
     effects: list[mx.array] = field(default_factory=list)
@@ -172,7 +174,10 @@ class Batch:
             tables = batch.native.tables
         elif backend is Backend.CUDA:
             t = batch._row_tables()
-            batch.cuda = (mx.array(t.tables), mx.array(t.row_table), mx.array(t.row_pos))
+            tiles = attention_tiles([(s.row, s.length) for s in segs], batch.rows,
+                                    batch.padded_rows)
+            batch.cuda = (mx.array(t.tables), mx.array(t.row_table), mx.array(t.row_pos),
+                          mx.array(tiles, dtype=mx.int32))
             tables = t.tables
         else:
             batch._group()
@@ -874,10 +879,12 @@ class Attention(Layer):
         pool = batch.pool
         assert pool is not None and batch.write_rows is not None and batch.cuda is not None
         self.rope.reserve(batch.max_pos)
+        tables, row_table, row_pos, tiles = batch.cuda
         out = cuda.rope_attention(rows, self.rope.cos, self.rope.sin, batch.write_rows,
-                                  pool.keys[self.layer], pool.values[self.layer], *batch.cuda,
-                                  self.scale, self.heads, self.kv_heads, self.head_dim,
-                                  batch.one_row_per_slot, self.window, sinks=self._cuda_sinks)
+                                  pool.keys[self.layer], pool.values[self.layer], tables,
+                                  row_table, row_pos, self.scale, self.heads, self.kv_heads,
+                                  self.head_dim, batch.one_row_per_slot, self.window,
+                                  sinks=self._cuda_sinks, tiles=tiles)
         batch.effects.append(out)
         return out
 
@@ -995,9 +1002,11 @@ class SharedKVAttention(Attention):
         q, k, v = self._heads(qkv)
         if k is None or v is None:
             cos, sin = batch.rope_rows(self.rope)
+            tables, row_table, row_pos, tiles = batch.cuda
             return cuda.paged_attention(Rope.apply(q, cos, sin), pool.keys[self.layer],
-                                        pool.values[self.layer], *batch.cuda, self.scale,
-                                        self.window).reshape(q.shape[0], -1)
+                                        pool.values[self.layer], tables, row_table, row_pos,
+                                        self.scale, self.window,
+                                        tiles=tiles).reshape(q.shape[0], -1)
         r = qkv.shape[0]
         rows = mx.concatenate([q.reshape(r, -1), k.reshape(r, -1), v.reshape(r, -1)], axis=1)
         return self._rope_attention(rows, batch)

@@ -85,13 +85,13 @@ class CompiledDecode:
         for rope in self.ropes:  # grown here: a trace must not change the model
             rope.reserve(max_pos)
         tables = [t for rope in self.ropes for t in (rope.cos, rope.sin)]
-        blocks, row_table, row_pos = batch.cuda
+        blocks, row_table, row_pos, tiles = batch.cuda
         window = []  # the sliding-window layers' own write rows and tables (Batch.window)
         if batch.window is not None:
             assert batch.window.write_rows is not None and batch.window.cuda is not None
             window = [batch.window.write_rows, padded_width(batch.window.cuda[0])]
         return [tokens, batch.positions, batch.write_rows, padded_width(blocks), row_table,
-                row_pos, *tables, *pool.keys, *pool.values, *window]
+                row_pos, tiles, *tables, *pool.keys, *pool.values, *window]
 
     def _call(self, key: tuple[Any, ...], inputs: list[mx.array], batch: Batch) -> mx.array:
         pool = batch.pool
@@ -162,7 +162,7 @@ class CompiledDecode:
         return fn
 
     def _forward(self, tokens: mx.array, positions: mx.array, write_rows: mx.array,
-                 tables: mx.array, row_table: mx.array, row_pos: mx.array,
+                 tables: mx.array, row_table: mx.array, row_pos: mx.array, tiles: mx.array,
                  *rest: mx.array) -> list[mx.array]:
         """The model's forward on traced inputs (runs only while tracing)."""
         real = self._batch
@@ -173,11 +173,11 @@ class CompiledDecode:
         kv = rest[n_tables : n_tables + 2 * layers]
         pool.keys, pool.values = list(kv[:layers]), list(kv[layers:])
         batch = Batch(real.segments, positions, pool, write_rows,
-                      cuda=(tables, row_table, row_pos))
+                      cuda=(tables, row_table, row_pos, tiles))
         if real.window is not None:
             win_rows, win_tables = rest[n_tables + 2 * layers :]
             batch.window = Batch(real.segments, positions, pool, win_rows,
-                                 cuda=(win_tables, row_table, row_pos),
+                                 cuda=(win_tables, row_table, row_pos, tiles),
                                  effects=batch.effects, rope_cache=batch.rope_cache)
         saved = [(rope.cos, rope.sin) for rope in self.ropes]
         try:

@@ -26,7 +26,6 @@ from typing import Any
 import structlog
 
 from slotserve.kernels.attention import BLOCK
-from slotserve.kernels.cuda.launch import attention_staged
 from slotserve.runtime.runner import ModelRunner, RowWork
 from slotserve.runtime.sampling import MAX_TOP_LOGPROBS, RowState, SamplingParams
 
@@ -41,8 +40,6 @@ KNOBS = (
                    presence_penalty=0.1, logit_bias={0: -1.0}, seed=3),
 )
 DECODE_ROWS = (1, 2, 3, 4, 5, 8)  # q4_matmul's fused norm is per row count up to 4
-# and the first decode row count whose attention launch no longer stages K/V (if the slots
-# reach it): rope_write + paged_attention unstaged instead of rope_attention
 DECODE_STEPS = 3  # CompiledDecode traces a shape's second step in a row; the third replays
 
 
@@ -56,9 +53,7 @@ def warm_up(runner: ModelRunner, model: Any, max_rows: int) -> dict[str, Any]:
     prompts = [[(7 * i + j) % vocab for j in range(5 + 3 * i)] for i in range(3)]
     prompts.append([(11 * j + 1) % vocab for j in range(BLOCK + 9)])
     steps += _run(runner, model, prompts, decode=1)
-    heads = model.config.num_kv_heads
-    unstaged = next((r for r in range(1, max_rows + 1) if not attention_staged(r, heads)), None)
-    for rows in sorted({r for r in DECODE_ROWS if r <= max_rows} | {unstaged or 1}):
+    for rows in sorted({r for r in DECODE_ROWS if r <= max_rows} | {1}):
         steps += _run(runner, model, [[(3 * i + j) % vocab for j in range(4 + i)]
                                       for i in range(rows)], decode=DECODE_STEPS)
     runner.forget_speculation()  # its rows' KV is released

@@ -2,10 +2,11 @@
 rotates q and k and writes the new K/V in the same launch (rope_attention).
 
 MLX's attention for a paged pool is ~15 small kernels per layer. Here one thread block
-per (row, kv head) attends its GQA group of query heads over the row's own slot, reading
+per (tile, kv head) attends the GQA query heads of a tile's rows (up to
+launch.ATTENTION_TILE rows of one slot) over the slot's K/V on the tensor cores, reading
 K/V blocks through the slot's block table (the pool layout of slotserve.model.kv), with an
-online softmax in key blocks of 128 at fixed absolute positions. Decode rows and prefill
-rows are the same work, so a position's output never depends on how it was batched.
+online softmax in key blocks of 128 at fixed absolute positions. Each row's sums are its
+own whatever its tile, so a position's output never depends on how it was batched.
 """
 
 from __future__ import annotations
@@ -19,9 +20,25 @@ from slotserve.kernels.cuda.glue import rope_write
 from slotserve.kernels.cuda.launch import ATTENTION_THREADS
 from slotserve.kernels.cuda.sources import kernel
 
+MAX_GROUP = 64  # query heads a kv head (a block's 64 mma rows take one row's at least)
+
 
 def attention_supported(dtype: mx.Dtype, head_dim: int) -> bool:
-    return dtype == mx.bfloat16 and head_dim % 8 == 0 and head_dim <= 128
+    return dtype == mx.bfloat16 and head_dim % 16 == 0 and head_dim <= 128
+
+
+def _blocks_a_tile(group: int, tile: int) -> int:
+    """Blocks a tile of `tile` rows takes per kv head (and split): a block's 64 mma rows
+    hold the query heads of 64 // group rows, up to a tile's (paged_attention.cu's SUB)."""
+    return -(-tile // min(tile, 64 // group))
+
+
+def _tiles(tiles: mx.array | None, rows: int) -> tuple[mx.array, int]:
+    """A launch's tiles and their most rows: Batch's (launch.attention_tiles), or one row a
+    tile."""
+    if tiles is None:
+        return mx.arange(rows, dtype=mx.int32), 1
+    return tiles, launch.ATTENTION_TILE
 
 
 @cache
@@ -45,35 +62,40 @@ def _sinks(sinks: mx.array | None) -> tuple[mx.array, bool]:
 
 def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.array,
                     row_table: mx.array, row_pos: mx.array, scale: float,
-                    window: int | None = None, sinks: mx.array | None = None) -> mx.array:
+                    window: int | None = None, sinks: mx.array | None = None,
+                    tiles: mx.array | None = None) -> mx.array:
     """q [R, Hq, D] or [R, Hq * D]; pools [blocks * 128, D]; tables [S, nb, Hkv] -> bf16
     output in q's shape (the 2-D form, as rope_write gives q, adds no reshape to the graph);
-    sinks: [Hq] attention-sink logits in log2 units (see _sinks)."""
+    sinks: [Hq] attention-sink logits in log2 units (see _sinks); tiles: the first row of
+    each tile (launch.attention_tiles; None: a tile a row). Tiles set only which rows share
+    a block's staged K/V, never a bit."""
     r, d = q.shape[0], kpool.shape[-1]
     hq = q.shape[1] if q.ndim == 3 else q.shape[1] // d
     hkv = tables.shape[2]
+    group = hq // hkv
+    assert group <= MAX_GROUP, "query heads a kv head"
     splits = launch.attention_splits(tables.shape[1])
-    staged = launch.attention_staged(r * splits, hkv)
+    tiles, tile = _tiles(tiles, r)
+    blocks = tiles.shape[0] * _blocks_a_tile(group, tile) * hkv
     sink_input, has_sinks = _sinks(sinks)
     inputs = [q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table,
-              row_pos, _attention_params(scale), sink_input]
-    template = [("T", kpool.dtype), ("G", hq // hkv), ("D", d), ("WINDOW", window or 0),
-                ("STAGED", staged), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
-                ("SINKS", has_sinks)]
-    shared = launch.attention_shared_bytes(d) if staged else 0
+              row_pos, tiles, _attention_params(scale), sink_input]
+    template = [("T", kpool.dtype), ("G", group), ("D", d), ("WINDOW", window or 0),
+                ("TILE", tile), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS), ("SINKS", has_sinks)]
+    shared = launch.attention_shared_bytes(d)
     if splits == 1:
         (out,) = kernel("paged_attention", shared)(
-            inputs=inputs, template=template, grid=(r * hkv * ATTENTION_THREADS, 1, 1),
+            inputs=inputs, template=template, grid=(blocks * ATTENTION_THREADS, 1, 1),
             threadgroup=(ATTENTION_THREADS, 1, 1), output_shapes=[(r, hq * d)],
             output_dtypes=[mx.bfloat16])
         return out.reshape(q.shape)
     (part,) = kernel("paged_attention_split", shared)(
-        inputs=inputs, template=template, grid=(r * hkv * splits * ATTENTION_THREADS, 1, 1),
+        inputs=inputs, template=template, grid=(blocks * splits * ATTENTION_THREADS, 1, 1),
         threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, hkv, splits, hq // hkv, d + 2)], output_dtypes=[mx.float32])
     (out,) = kernel("attention_combine")(
         inputs=[part, row_table, row_pos, sink_input],
-        template=[("G", hq // hkv), ("D", d), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
+        template=[("G", group), ("D", d), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
                   ("SINKS", has_sinks)],
         grid=(r * hkv * ATTENTION_THREADS, 1, 1), threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, hq * d)], output_dtypes=[mx.bfloat16])
@@ -84,35 +106,37 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
                    kpool: mx.array, vpool: mx.array, tables: mx.array, row_table: mx.array,
                    row_pos: mx.array, scale: float, heads: int, kv_heads: int, head_dim: int,
                    one_row_per_slot: bool, window: int | None = None,
-                   sinks: mx.array | None = None) -> mx.array:
+                   sinks: mx.array | None = None, tiles: mx.array | None = None) -> mx.array:
     """paged_attention(rope_write(qkv, ...), ...): attention [R, heads * D] of fused QKV rows,
     their K/V written into the pool in place (see rope_write; row_pos are the rows'
-    positions); sinks as paged_attention's.
+    positions); sinks and tiles as paged_attention's.
 
-    One launch where each slot has one row (a decode step) and the attention launch is
-    staged (launch.rope_in_attention): each block then owns its kv head's new K/V, so it
-    rotates q and k itself, writes K/V and patches its staged copy of them; no block reads
-    another's new keys. Otherwise rope_write and paged_attention, two launches. The same
-    bits either way (the same rotation, rounded to bf16 as rope_write stores it).
+    One launch where each slot has one row (a decode step) and the rows fit one split
+    (launch.rope_in_attention): each block then owns its kv head's new K/V, so it rotates q
+    and k itself, writes K/V and patches its staged copy of them; no block reads another's
+    new keys. Otherwise rope_write and paged_attention, two launches. The same bits either
+    way (the same rotation, rounded to bf16 as rope_write stores it).
     """
     r = qkv.shape[0]
     if qkv.dtype != kpool.dtype:  # a float32 model (e.g. a GGUF read as f32) on a bf16 pool
         qkv = qkv.astype(kpool.dtype)
-    if (not launch.rope_in_attention(r, kv_heads, one_row_per_slot)
-            or launch.attention_splits(tables.shape[1]) > 1):
+    if not launch.rope_in_attention(one_row_per_slot, launch.attention_splits(tables.shape[1])):
         q = rope_write(qkv, cos, sin, row_pos, write_rows, kpool, vpool, heads, kv_heads,
                        head_dim)
         return paged_attention(q, kpool, vpool, tables, row_table, row_pos, scale, window,
-                               sinks)
+                               sinks, tiles)
     assert write_rows.shape[0] <= r and write_rows.shape[1] == kv_heads, "pool rows per row"
+    group = heads // kv_heads
+    assert group <= MAX_GROUP, "query heads a kv head"
+    tiles, tile = _tiles(None, r)  # a decode step's rows: a tile each
     sink_input, has_sinks = _sinks(sinks)
     (out,) = kernel("rope_attention", launch.attention_shared_bytes(head_dim))(
-        inputs=[qkv, kpool, vpool, tables, row_table, row_pos, _attention_params(scale),
-                sink_input, cos, sin, write_rows],
-        template=[("T", kpool.dtype), ("G", heads // kv_heads), ("D", head_dim),
-                  ("WINDOW", window or 0), ("STAGED", True),
+        inputs=[qkv, kpool, vpool, tables, row_table, row_pos, tiles,
+                _attention_params(scale), sink_input, cos, sin, write_rows],
+        template=[("T", kpool.dtype), ("G", group), ("D", head_dim),
+                  ("WINDOW", window or 0), ("TILE", tile),
                   ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS), ("SINKS", has_sinks)],
-        grid=(r * kv_heads * ATTENTION_THREADS, 1, 1),
+        grid=(r * _blocks_a_tile(group, tile) * kv_heads * ATTENTION_THREADS, 1, 1),
         threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, heads * head_dim)],
         output_dtypes=[mx.bfloat16],

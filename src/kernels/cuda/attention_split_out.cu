@@ -1,17 +1,21 @@
 // paged_attention.cu's @OUT@ for slotserve_paged_attention_split: the split's P.V sums,
-// running max and running sum per query head, as floats into partials[r, h, split, gg, :].
+// running max and running sum of each of the block's rows (those whose keys reach the
+// split) and query heads, as floats into partials[r, h, split, head, :].
 
-  {
-    float* dst = partials + (((size_t)r * HKV + h) * S + split) * G * (D + 2);
-    if (tid < D) {
+  if (active) {
 #pragma unroll
-      for (int gg = 0; gg < G; ++gg) dst[(size_t)gg * (D + 2) + tid] = acc[gg];
-    }
-    if (tid == 0) {
+    for (int e = 0; e < 2; ++e) {
+      if (m_row[e] < 0 || split > m_pos[e] / (128 * SPLIT_BLOCKS)) continue;
+      float* dst = partials + (((size_t)m_row[e] * HKV + h) * S + split) * G * (D + 2)
+          + (size_t)m_head[e] * (D + 2);
 #pragma unroll
-      for (int gg = 0; gg < G; ++gg) {
-        dst[(size_t)gg * (D + 2) + D] = run_max[gg];
-        dst[(size_t)gg * (D + 2) + D + 1] = run_sum[gg];
+      for (int n = 0; n < D / 8; ++n) {
+        dst[8 * n + 2 * t4] = o[n][2 * e];
+        dst[8 * n + 2 * t4 + 1] = o[n][2 * e + 1];
+      }
+      if (t4 == 0) {
+        dst[D] = m_run[e];
+        dst[D + 1] = l_run[e];
       }
     }
   }

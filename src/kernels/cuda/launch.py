@@ -25,15 +25,14 @@ time per kernel with the caches flushed before each, as a step reads its weights
 * q4_matmul, the residual add in the epilogue of every launch: no register cost (128), one
   launch and graph op fewer per projection (64 a step); engine sweeps with and without it
   were within noise of each other.
-* paged_attention, K/V staged in shared memory for launches of up to `STAGED_BLOCKS` blocks
-  (one per row and kv head), else read in place: staged, a key block is one memory round
-  trip instead of ~6 dependent ones, which a 1-row launch (one warp per scheduler) cannot
-  hide: 22 -> 13 µs a layer at one row. A staged block takes ~66 kB at head dim 128 (two
-  an SM): 256 is one wave on the 132 SMs, and larger launches keep more blocks resident.
+* paged_attention, a block per tile part (the tile's rows of one slot, up to 64 mma rows of
+  query heads) and kv head: each key block is staged in shared memory once for the tile's
+  rows. Prefill tiles are `ATTENTION_TILE` consecutive rows of a prompt (Batch builds them),
+  decode rows a tile each; a row's bits are the same in any tile (paged_attention.cu).
 * rope_attention, RoPE and the K/V write inside the attention launch where each slot has one
-  row and the launch is staged (each block then owns its kv head's new K/V), else
-  `rope_write` + `paged_attention`: 267 -> 235 kernels in a 1-row step, the one launch
-  14.8 µs against 13.3 + 9.2 for the two.
+  row (a decode step: each block then owns its kv head's new K/V) and the rows fit one
+  split, else `rope_write` + `paged_attention`: 267 -> 235 kernels in a 1-row step, the one
+  launch 14.8 µs against 13.3 + 9.2 for the two.
 * paged_attention, rows whose keys span more than `SPLIT_BLOCKS` key blocks (1,024 keys)
   split into a block per (row, kv head, split), then combined in split order
   (`attention_combine`): one 16k-context row was 8 blocks on the 132 SMs. Llama-3-8B shape,
@@ -47,9 +46,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NORM_ROWS = 4  # q4_matmul normalizes x in its prologue for launches of up to this many rows
-STAGED_BLOCKS = 256  # paged_attention stages K/V in launches of up to this many blocks
 GLUE_THREADS = 256  # threads a block of the elementwise kernels (rope_write, swiglu)
-ATTENTION_THREADS = 128  # threads a block of the attention kernels (one per key of a block)
+ATTENTION_THREADS = 128  # threads a block of the attention kernels (4 warps)
+ATTENTION_TILE = 16  # rows of one prompt a paged_attention tile takes (paged_attention.cu)
 SPLIT_BLOCKS = 8  # key blocks (of 128) a split of a long row's attention takes
 SAMPLE_THREADS = 1024  # threads a block of sample_draw (one row); sample_draw.cuh's too
 
@@ -113,14 +112,10 @@ def rms_threads(k: int) -> int:
     return 32 * k_split(k // 128)
 
 
-def attention_staged(rows: int, kv_heads: int) -> bool:
-    """Whether a paged_attention launch (one block per row and kv head) stages K/V."""
-    return rows * kv_heads <= STAGED_BLOCKS
-
-
 def attention_shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a staged attention launch: padded K rows, then V rows."""
-    return 128 * (2 * head_dim // 8 + 1) * 16
+    """Dynamic shared memory of an attention launch: a key block's padded K rows, then its
+    padded V rows."""
+    return 2 * 128 * (head_dim // 8 + 1) * 16
 
 
 def attention_splits(table_blocks: int) -> int:
@@ -130,7 +125,14 @@ def attention_splits(table_blocks: int) -> int:
     return -(-table_blocks // SPLIT_BLOCKS)
 
 
-def rope_in_attention(rows: int, kv_heads: int, one_row_per_slot: bool) -> bool:
+def attention_tiles(segments: list[tuple[int, int]], rows: int, padded_rows: int) -> list[int]:
+    """The first row of each paged_attention tile of a step: each segment's (first row,
+    length) in ATTENTION_TILE pieces, then the padding rows' likewise."""
+    starts = [r for row, n in segments for r in range(row, row + n, ATTENTION_TILE)]
+    return starts + list(range(rows, padded_rows, ATTENTION_TILE))
+
+
+def rope_in_attention(one_row_per_slot: bool, splits: int) -> bool:
     """Whether rope_attention is one launch: each block then owns its kv head's new K/V,
-    which needs one row a slot (a decode step) and a staged launch (the patch)."""
-    return one_row_per_slot and attention_staged(rows, kv_heads)
+    which needs one row a slot (a decode step), and the launch is not split."""
+    return one_row_per_slot and splits == 1

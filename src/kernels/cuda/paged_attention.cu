@@ -1,205 +1,218 @@
 // slotserve_paged_attention and slotserve_rope_attention: causal attention of each query
-// row over its own slot's K/V in the paged pool (slotserve.model.kv). The body of an
-// mx.fast.cuda_kernel; the header is common.cuh and cp_async.cuh.
+// row over its own slot's K/V in the paged pool (slotserve.model.kv), on the tensor cores.
+// The body of an mx.fast.cuda_kernel; the header is common.cuh, cp_async.cuh and mma.cuh.
 //
-// One block (128 threads) per (row, kv head) takes the GQA group's G query heads; q
-// [R, Hq*D], pools [blocks*128, D], tables [S, nbmax, Hkv], row_table / row_pos [R] (a row
-// whose row_table is -1 is padding: zeros), params [scale * log2 e], sinks [HQ] (attention
-// sinks in log2 units, read where SINKS: attention_whole_out.cu, attention_combine.cu; else
-// one unread element). Online softmax over key
-// blocks of 128 at fixed absolute positions, so a position's output never depends on how
-// it was batched.
+// q [R, Hq*D], pools [blocks*128, D], tables [S, nbmax, Hkv], row_table / row_pos [R] (a row
+// whose row_table is -1 is padding: zeros), tiles [NT] (the first row of each tile: up to
+// TILE consecutive rows of one slot, ascending, a tile's rows ending where the next tile's
+// begin), params [scale * log2 e], sinks [HQ] (attention sinks in log2 units, read where
+// SINKS: attention_whole_out.cu, attention_combine.cu; else one unread element).
 //
-// Long rows are split (slotserve_paged_attention_split): a block per (row, kv head, split)
-// takes the key blocks of one split of SPLIT_BLOCKS blocks at fixed absolute positions and
-// writes its running max, sum and P.V sums; attention_combine.cu then combines a row's
-// splits in split order. A row whose keys fit one split gets the bits of the whole kernel
-// (the combine multiplies its one split by exp2(0) = 1), and a longer row is split in every
-// launch it is in (decode or prefill), so a position's bits never depend on its batch.
+// A block (4 warps) takes up to TP rows of a tile and one kv head: its 64 mma rows are the
+// rows' GQA query heads (mma row i: the tile's row i / G, query head i % G; rows past TP * G
+// or past the tile: zeros), warp w mma rows 16w .. 16w + 15. Each key block of 128 (at fixed
+// absolute positions) is staged in shared memory once for all of them: S = Q K^T on the
+// tensor cores (dimension steps of 16 in order), each row's max and sum over the block in a
+// fixed order, P rounded to bf16, O = O * alpha + P V (key steps of 16 in order). An mma
+// row's sums depend on its own query and the keys alone, and a key block past a row's last
+// key (or before its window) leaves its sums as they are (alpha 1 or 0, p 0), so a row has
+// the same bits in any tile: alone (a decode step) or among its prompt's rows (prefill).
+//
+// Long rows are split (slotserve_paged_attention_split): a block per (tile part, kv head,
+// split) takes the key blocks of one split of SPLIT_BLOCKS blocks at fixed absolute
+// positions and writes its rows' running max, sum and P.V sums; attention_combine.cu then
+// combines a row's splits in split order. A row whose keys fit one split gets the bits of
+// the whole kernel (the combine multiplies its one split by exp2(0) = 1), and a longer row
+// is split in every launch it is in (decode or prefill), so its bits never depend on its
+// batch.
 //
 // The kernels differ only where the wrapper (slotserve/kernels/cuda/sources.py)
 // substitutes, once when the source is read:
-//   line @BLOCK@  the block's row r, kv head h and split (-1: all of the row's keys):
-//                 attention_whole_block.cu or attention_split_block.cu
-//   line @PAD@    a padding row: zeros (attention_whole_pad.cu), or nothing for a split
-//   line @OUT@    the result: the output row (attention_whole_out.cu) or the split's
+//   line @BLOCK@  the block's tile, part `sub` of it, kv head h and split (-1: all of the
+//                 rows' keys): attention_whole_block.cu or attention_split_block.cu
+//   line @PAD@    a padding tile: zeros (attention_whole_pad.cu), or nothing for a split
+//   line @OUT@    the result: the output rows (attention_whole_out.cu) or the split's
 //                 partial sums (attention_split_out.cu)
-//   line @Q@      the query: paged_attention_query.cu (read q) or rope_attention_query.cu
-//                 (rotate the row's fused QKV, write the new K/V into the pool)
-//   line @PATCH@  run on each staged key block: nothing, or rope_attention_patch.cu (patch
-//                 the staged copy of the new position from registers)
-// Template: T (pool dtype), G, D (head dim), WINDOW (sliding window, 0: none), STAGED (each
-// key block's K/V copied to shared memory first; rope_attention always is), SPLIT_BLOCKS,
-// SINKS (gpt-oss's attention sinks).
+//   line @Q@      the query rows into qs: paged_attention_query.cu (read q) or
+//                 rope_attention_query.cu (rotate the row's fused QKV, write the new K/V
+//                 into the pool; tiles of one row)
+//   lines @PATCH_K@, @PATCH_V@  run on each staged key block's K, V: nothing, or
+//                 rope_attention_patch_k.cu / _v.cu (patch the staged copy of the new
+//                 position from registers)
+// Template: T (pool dtype, bf16), G, D (head dim, a multiple of 16), WINDOW (sliding
+// window, 0: none), TILE, SPLIT_BLOCKS, SINKS (gpt-oss's attention sinks).
 
   const int HKV = tables_shape[2];
   const int nbmax = tables_shape[1];
   const int HQ = HKV * G;
+  const int R = row_table_shape[0];
+  const int NT = tiles_shape[0];
+  constexpr int TP = 64 / G < TILE ? 64 / G : TILE;  // rows a block takes
+  constexpr int SUB = (TILE + TP - 1) / TP;  // blocks a tile takes (per kv head and split)
 @BLOCK@
+  const int tile_first = tiles[tile];
+  const int tile_end = min(tile + 1 < NT ? tiles[tile + 1] : R, tile_first + TILE);
+  const int first = tile_first + sub * TP;
+  if (first >= tile_end) return;
+  const int nrows = min(TP, tile_end - first);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  __shared__ float qs[G][D];
-  __shared__ float ps[G][128];
-  __shared__ float part[G][4];
-  constexpr int DPL = (D + 31) / 32;  // output dimensions per lane in P.V
-  __shared__ float pvs[4][G][DPL * 32];  // each warp's P.V partial
-  const size_t base = ((size_t)r * HQ + (size_t)h * G) * D;
-  const int tb = row_table[r];
+  const int g = lane >> 2, t4 = lane & 3;  // the mma fragment's row and column pair
+  const int tb = row_table[first];
   if (tb < 0) {
 @PAD@
     return;
   }
   const float scale = params[0];
-  const int pos = row_pos[r];
-  const int lo = (WINDOW > 0 && pos - WINDOW + 1 > 0) ? pos - WINDOW + 1 : 0;
+  // the block's key range: from the first row's window start to the last row's position
+  int pos_max = 0, lo_min = 0x7fffffff;
+  for (int i = 0; i < nrows; ++i) {
+    const int p = row_pos[first + i];
+    pos_max = max(pos_max, p);
+    lo_min = min(lo_min, (WINDOW > 0 && p - WINDOW + 1 > 0) ? p - WINDOW + 1 : 0);
+  }
+  const int jb_first = split < 0 ? lo_min / 128 : max(lo_min / 128, split * SPLIT_BLOCKS);
+  const int jb_last = split < 0 ? pos_max / 128
+                                : min(pos_max / 128, split * SPLIT_BLOCKS + SPLIT_BLOCKS - 1);
+  if (split >= 0 && split * SPLIT_BLOCKS > pos_max / 128) return;  // no row's keys here
   const int* table = tables + (size_t)tb * nbmax * HKV;
-  // STAGED: each key block's K and V copied to shared memory with all its loads in flight
-  // at once (cp.async), one memory round trip a block; else read in place, ~6 dependent
-  // round trips a block (a one-row launch has one warp per scheduler to hide them)
-  constexpr int KW = D / 8 + 1;  // 16-byte words per staged K row (padded: no bank conflicts)
-  extern __shared__ uint4 staged[];  // [128][KW] K rows, then [128][D / 8] V rows
-  auto stage = [&](int jb) {  // key block jb's copies, issued (waited for where it is used)
-    const size_t blk = (size_t)table[jb * HKV + h] * 128;
-    const int n = min(128, pos + 1 - jb * 128);  // keys of this block up to pos
-    const uint4* kg = reinterpret_cast<const uint4*>(kpool + blk * D);
-    const uint4* vg = reinterpret_cast<const uint4*>(vpool + blk * D);
-    if (tid < n) {
+  // this thread's two mma rows (g and g + 8 of its warp's 16): launch row, head, key range
+  int m_row[2], m_head[2], m_lo[2], m_pos[2];
 #pragma unroll
-      for (int c = 0; c < D / 8; ++c) cp_async16(&staged[tid * KW + c], kg + tid * (D / 8) + c);
-    }
-    for (int e = tid; e < n * (D / 8); e += 128) cp_async16(&staged[128 * KW + e], vg + e);
+  for (int e = 0; e < 2; ++e) {
+    const int i = warp * 16 + g + 8 * e, pi = i / G;
+    const bool real = i < TP * G && pi < nrows;
+    m_row[e] = real ? first + pi : -1;
+    m_head[e] = i % G;
+    m_pos[e] = real ? row_pos[first + pi] : -1;
+    m_lo[e] = (WINDOW > 0 && m_pos[e] - WINDOW + 1 > 0) ? m_pos[e] - WINDOW + 1 : 0;
+  }
+  const bool active = warp * 16 < nrows * G && warp * 16 < TP * G;  // a warp with real rows
+  constexpr int QW = D + 8;  // bf16 a staged query row (padded: no bank conflicts)
+  __shared__ __align__(16) __nv_bfloat16 qs[64][QW];
+  constexpr int KW = D / 8 + 1;  // 16-byte words a staged K or V row (padded)
+  extern __shared__ uint4 staged[];  // [128][KW] K rows, then [128][KW] V rows
+  uint4* const ks = staged;
+  uint4* const vs = staged + 128 * KW;
+  // key block jb's K or V rows up to pos_max copied in (all in flight at once, cp.async),
+  // one commit group; V rows past them zeroed (p is 0 there, and 0 * NaN would not be)
+  auto stage = [&](uint4* dst, const T* pool, int jb, bool zero_tail) {
+    const size_t blk = (size_t)table[jb * HKV + h] * 128;
+    const int n = min(128, pos_max + 1 - jb * 128);
+    const uint4* src = reinterpret_cast<const uint4*>(pool + blk * D);
+    for (int e = tid; e < n * (D / 8); e += 128)
+      cp_async16(&dst[(e / (D / 8)) * KW + e % (D / 8)], src + e);
+    if (zero_tail)
+      for (int e = tid; e < (128 - n) * (D / 8); e += 128)
+        dst[(n + e / (D / 8)) * KW + e % (D / 8)] = make_uint4(0u, 0u, 0u, 0u);
     cp_async_commit();
   };
   // the first key block's copies fly while the query is read (and rotated)
-  // the key blocks this block takes: all of the row's, or those of its split
-  const int jb_first = split < 0 ? lo / 128 : max(lo / 128, split * SPLIT_BLOCKS);
-  const int jb_last = split < 0 ? pos / 128 : min(pos / 128, split * SPLIT_BLOCKS + SPLIT_BLOCKS - 1);
-  if (STAGED) stage(jb_first);
+  if (jb_first <= jb_last) {
+    stage(ks, kpool, jb_first, false);
+    stage(vs, vpool, jb_first, true);
+  }
 @Q@
   __syncthreads();
-  float run_max[G], run_sum[G], acc[G];
+  float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};
+  float o[D / 8][4];
 #pragma unroll
-  for (int gg = 0; gg < G; ++gg) { run_max[gg] = neg_inf(); run_sum[gg] = 0.0f; acc[gg] = 0.0f; }
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(&qs[warp * 16][0]);
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(ks);
   for (int jb = jb_first; jb <= jb_last; ++jb) {
-    const size_t blk = (size_t)table[jb * HKV + h] * 128;
-    const int key = jb * 128 + tid;
-    const bool valid = key >= lo && key <= pos;
-    const int n = min(128, pos + 1 - jb * 128);  // keys of this block up to pos
-    if (STAGED) {
-      if (jb > jb_first) stage(jb);  // (the previous block's readers are done: see the end)
-      cp_async_wait<0>();
-@PATCH@
-      __syncthreads();
-    }
-    float s[G];
+    const bool more = jb < jb_last;
+    cp_async_wait<1>();  // this block's K (its V may still be in flight)
+@PATCH_K@
+    __syncthreads();
+    float s[16][4];  // S of keys 8j + 2 t4 .. of the block: rows g (0, 1) and g + 8 (2, 3)
 #pragma unroll
-    for (int gg = 0; gg < G; ++gg) s[gg] = 0.0f;
-    if (valid) {  // the key row in pieces of 8 loads issued together (latency, not order)
-      const uint4* krow = STAGED ? staged + tid * KW
-                                 : reinterpret_cast<const uint4*>(kpool + (blk + tid) * D);
-      constexpr int PIECE = D / 8 < 8 ? D / 8 : 8;
+    for (int j = 0; j < 16; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    if (active) {
 #pragma unroll
-      for (int c0 = 0; c0 < D / 8; c0 += PIECE) {
-        uint4 kv[PIECE];
+      for (int ds = 0; ds < D / 16; ++ds) {
+        const uint32_t a0 = q32[g * (QW / 2) + 8 * ds + t4];
+        const uint32_t a1 = q32[(g + 8) * (QW / 2) + 8 * ds + t4];
+        const uint32_t a2 = q32[g * (QW / 2) + 8 * ds + 4 + t4];
+        const uint32_t a3 = q32[(g + 8) * (QW / 2) + 8 * ds + 4 + t4];
 #pragma unroll
-        for (int u = 0; u < PIECE; ++u) kv[u] = krow[c0 + u];
-#pragma unroll
-        for (int u = 0; u < PIECE; ++u) {
-          const int c = c0 + u;
-          const uint32_t kw[4] = {kv[u].x, kv[u].y, kv[u].z, kv[u].w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float k0 = bf_lo(kw[e]), k1 = bf_hi(kw[e]);
-#pragma unroll
-            for (int gg = 0; gg < G; ++gg) {
-              s[gg] = __fmaf_rn(qs[gg][c * 8 + 2 * e], k0, s[gg]);
-              s[gg] = __fmaf_rn(qs[gg][c * 8 + 2 * e + 1], k1, s[gg]);
-            }
-          }
+        for (int j = 0; j < 16; ++j) {
+          const uint32_t* kr = k32 + (8 * j + g) * (KW * 4) + 8 * ds + t4;
+          mma_bf16(s[j], a0, a1, a2, a3, kr[0], kr[4]);
         }
       }
     }
-    // block max and the new running max, per query head
-    float m_new[G], alpha[G];
+    __syncthreads();  // every warp is done with this block's K
+    if (more) stage(ks, kpool, jb + 1, false); else cp_async_commit();
+    float alpha[2];
+    if (active) {
+      // mask and scale, each row's max over the block (exact in any order), the new
+      // running max; p rounded to bf16 (what P V multiplies) and summed in a fixed order
+      const int key0 = jb * 128 + 2 * t4;
+      float bmax[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      s[gg] = valid ? s[gg] * scale : neg_inf();
-      float m = s[gg];
-      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      if (lane == 0) part[gg][warp] = m;
-    }
-    __syncthreads();
+      for (int j = 0; j < 16; ++j)
 #pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      const float m = fmaxf(fmaxf(part[gg][0], part[gg][1]), fmaxf(part[gg][2], part[gg][3]));
-      m_new[gg] = fmaxf(run_max[gg], m);
-      alpha[gg] = run_max[gg] == neg_inf() ? 0.0f : exp2f(run_max[gg] - m_new[gg]);
-      const float p = valid ? exp2f(s[gg] - m_new[gg]) : 0.0f;
-      ps[gg][tid] = p;
-    }
-    __syncthreads();
-    // block sum of p (fixed tree), then the running sum
+        for (int c = 0; c < 4; ++c) {
+          const int e = c >> 1, key = key0 + 8 * j + (c & 1);
+          const bool valid = key >= m_lo[e] && key <= m_pos[e];
+          s[j][c] = valid ? s[j][c] * scale : neg_inf();
+          bmax[e] = fmaxf(bmax[e], s[j][c]);
+        }
 #pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      float p = ps[gg][tid];
-      for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
-      if (lane == 0) part[gg][warp] = p;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) {
-      const float bsum = (part[gg][0] + part[gg][1]) + (part[gg][2] + part[gg][3]);
-      run_sum[gg] = __fmaf_rn(run_sum[gg], alpha[gg], bsum);
-      run_max[gg] = m_new[gg];
-    }
-    // P.V: warp w takes keys 32w .. 32w+31 of the block (lane l: dimensions l, l+32, ..),
-    // 8 keys' loads in flight at a time; then thread d sums the warps' partials in warp
-    // order and rescales its running sum: a fixed order, whatever the batch
-    {
-      const int j1 = min(n, warp * 32 + 32);
-      const T* vb = STAGED ? reinterpret_cast<const T*>(staged + 128 * KW) : vpool + blk * D;
-      float pv[G][DPL];
-#pragma unroll
-      for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) pv[gg][i] = 0.0f;
-      int j = warp * 32;
-      for (; j + 8 <= j1; j += 8) {
-        float v[8][DPL];
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-#pragma unroll
-          for (int i = 0; i < DPL; ++i)
-            v[u][i] = lane + 32 * i < D
-                ? static_cast<float>(vb[(size_t)(j + u) * D + lane + 32 * i]) : 0.0f;
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-#pragma unroll
-          for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) pv[gg][i] = __fmaf_rn(ps[gg][j + u], v[u][i], pv[gg][i]);
+      for (int e = 0; e < 2; ++e) {
+        bmax[e] = fmaxf(bmax[e], __shfl_xor_sync(0xffffffffu, bmax[e], 1));
+        bmax[e] = fmaxf(bmax[e], __shfl_xor_sync(0xffffffffu, bmax[e], 2));
+        const float m_new = fmaxf(m_run[e], bmax[e]);
+        alpha[e] = m_run[e] == neg_inf() ? 0.0f : exp2f(m_run[e] - m_new);
+        m_run[e] = m_new;
       }
-      for (; j < j1; ++j) {
+      float bsum[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          const float v = lane + 32 * i < D
-              ? static_cast<float>(vb[(size_t)j * D + lane + 32 * i]) : 0.0f;
+      for (int j = 0; j < 16; ++j)
 #pragma unroll
-          for (int gg = 0; gg < G; ++gg) pv[gg][i] = __fmaf_rn(ps[gg][j], v, pv[gg][i]);
+        for (int c = 0; c < 4; ++c) {
+          const int e = c >> 1;
+          const float p = s[j][c] == neg_inf() ? 0.0f : exp2f(s[j][c] - m_run[e]);
+          s[j][c] = __bfloat162float(__float2bfloat16_rn(p));
+          bsum[e] += s[j][c];
+        }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        bsum[e] += __shfl_xor_sync(0xffffffffu, bsum[e], 1);
+        bsum[e] += __shfl_xor_sync(0xffffffffu, bsum[e], 2);
+        l_run[e] = __fmaf_rn(l_run[e], alpha[e], bsum[e]);
+      }
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
+    }
+    cp_async_wait<1>();  // this block's V
+@PATCH_V@
+    __syncthreads();
+    if (active) {
+      // O += P V, key steps of 16 in order; V's fragments transposed out of its rows
+      const int vkey = ((lane >> 3) & 1) * 8 + (lane & 7), vcol = (lane >> 4) * 8;
+      const __nv_bfloat16* vb = reinterpret_cast<const __nv_bfloat16*>(vs);
+#pragma unroll
+      for (int ks16 = 0; ks16 < 8; ++ks16) {
+        const uint32_t a0 = pack_bf16(s[2 * ks16][0], s[2 * ks16][1]);
+        const uint32_t a1 = pack_bf16(s[2 * ks16][2], s[2 * ks16][3]);
+        const uint32_t a2 = pack_bf16(s[2 * ks16 + 1][0], s[2 * ks16 + 1][1]);
+        const uint32_t a3 = pack_bf16(s[2 * ks16 + 1][2], s[2 * ks16 + 1][3]);
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, vb + (size_t)(16 * ks16 + vkey) * (KW * 8) + 16 * np + vcol);
+          mma_bf16(o[2 * np], a0, a1, a2, a3, b[0], b[1]);
+          mma_bf16(o[2 * np + 1], a0, a1, a2, a3, b[2], b[3]);
         }
       }
-#pragma unroll
-      for (int gg = 0; gg < G; ++gg)
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) pvs[warp][gg][lane + 32 * i] = pv[gg][i];
     }
-    __syncthreads();
-    if (tid < D) {
-#pragma unroll
-      for (int gg = 0; gg < G; ++gg) {
-        const float sum = ((pvs[0][gg][tid] + pvs[1][gg][tid]) + pvs[2][gg][tid]) + pvs[3][gg][tid];
-        acc[gg] = __fmaf_rn(acc[gg], alpha[gg], sum);
-      }
-    }
-    __syncthreads();
+    __syncthreads();  // every warp is done with this block's V
+    if (more) stage(vs, vpool, jb + 1, true); else cp_async_commit();
   }
 @OUT@

@@ -1,5 +1,5 @@
-// The 4-bit matmul's device helpers (after common.cuh, cp_async.cuh and norm_row.cuh):
-// dequantization of the packed codes, the mma.sync wrapper, x fragment loads, row sums
+// The 4-bit matmul's device helpers (after common.cuh, cp_async.cuh, mma.cuh and
+// norm_row.cuh): dequantization of the packed codes, x fragment loads, row sums
 // and one group's multiply-accumulate.
 
 
@@ -25,15 +25,6 @@ __device__ __forceinline__ uint32_t q4_pair(uint32_t w, int j) {
     h = __hsub2(h, __floats2bfloat162_rn(128.0f, 128.0f));
   }
   return *reinterpret_cast<uint32_t*>(&h);
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // the 16 codes of one 64-wide group this thread holds (two words) as mma B fragments:

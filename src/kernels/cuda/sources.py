@@ -22,19 +22,22 @@ import mlx.core as mx
 @dataclass(frozen=True)
 class KernelSource:
     """Where one kernel's text comes from: a body file, its headers after common.cuh, and
-    for the attention kernels the fragments put at the body's `@Q@` and `@PATCH@` lines and
-    at its other marked lines (`fragments`: marker, file)."""
+    for the attention kernels the fragments put at the body's `@Q@`, `@PATCH_K@` and
+    `@PATCH_V@` lines (patch: the two patch files, or none) and at its other marked lines
+    (`fragments`: marker, file)."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     body: str
     headers: tuple[str, ...] = ()
     query: str | None = None
-    patch: str | None = None
+    patch: tuple[str, str] | None = None
     fragments: tuple[tuple[str, str], ...] = ()
 
 
-_ATTENTION_INPUTS = ("kpool", "vpool", "tables", "row_table", "row_pos", "params", "sinks")
+_ATTENTION_INPUTS = ("kpool", "vpool", "tables", "row_table", "row_pos", "tiles", "params",
+                     "sinks")
+_ATTENTION_HEADERS = ("cp_async.cuh", "mma.cuh")
 _WHOLE = (("@BLOCK@", "attention_whole_block.cu"), ("@PAD@", "attention_whole_pad.cu"),
           ("@OUT@", "attention_whole_out.cu"))
 _SPLIT = (("@BLOCK@", "attention_split_block.cu"), ("@PAD@", "attention_split_pad.cu"),
@@ -42,20 +45,22 @@ _SPLIT = (("@BLOCK@", "attention_split_block.cu"), ("@PAD@", "attention_split_pa
 
 KERNELS: dict[str, KernelSource] = {
     "q4_matmul": KernelSource(("x", "wp", "sp", "res", "nw"), ("y",), "q4_matmul.cu",
-                              ("cp_async.cuh", "norm_row.cuh", "q4_matmul.cuh")),
+                              ("cp_async.cuh", "mma.cuh", "norm_row.cuh",
+                               "q4_matmul.cuh")),
     "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
     "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out",), "paged_attention.cu",
-                                    ("cp_async.cuh",), query="paged_attention_query.cu",
+                                    _ATTENTION_HEADERS, query="paged_attention_query.cu",
                                     fragments=_WHOLE),
     "paged_attention_split": KernelSource(("q", *_ATTENTION_INPUTS), ("partials",),
-                                          "paged_attention.cu", ("cp_async.cuh",),
+                                          "paged_attention.cu", _ATTENTION_HEADERS,
                                           query="paged_attention_query.cu", fragments=_SPLIT),
     "attention_combine": KernelSource(("part", "row_table", "row_pos", "sinks"), ("out",),
                                       "attention_combine.cu"),
     "rope_attention": KernelSource(("qkv", *_ATTENTION_INPUTS, "cos_t", "sin_t", "write_rows"),
-                                   ("out",), "paged_attention.cu", ("cp_async.cuh",),
+                                   ("out",), "paged_attention.cu", _ATTENTION_HEADERS,
                                    query="rope_attention_query.cu",
-                                   patch="rope_attention_patch.cu", fragments=_WHOLE),
+                                   patch=("rope_attention_patch_k.cu",
+                                          "rope_attention_patch_v.cu"), fragments=_WHOLE),
     "rope_write": KernelSource(("qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool",
                                 "vpool"), ("q",), "rope_write.cu"),
     "swiglu": KernelSource(("gate_up",), ("out",), "swiglu.cu"),
@@ -96,7 +101,9 @@ def source(name: str) -> tuple[str, str]:
     body = _read(spec.body)
     if spec.query is not None:
         body = _substitute(body, "@Q@", _read(spec.query))
-        body = _substitute(body, "@PATCH@", _read(spec.patch) if spec.patch else "")
+        patch_k, patch_v = (_read(f) for f in spec.patch) if spec.patch else ("", "")
+        body = _substitute(body, "@PATCH_K@", patch_k)
+        body = _substitute(body, "@PATCH_V@", patch_v)
     for marker, filename in spec.fragments:
         body = _substitute(body, marker, _read(filename))
     header = _read("common.cuh") + "".join(_read(h) for h in spec.headers)
