@@ -8,10 +8,10 @@ launches each one:
   whatever the row count, so one row alone and the same row in a batch of 128 give the
   same bits. It can take the RMS norm before it (`norm=`, `rms_rows` being the same
   arithmetic in a launch of its own), SwiGLU (`gate_up=`) and the residual add after it.
-* `paged_attention` (attention.py, paged_attention.cu): one thread block per (row, kv
-  head) over the row's own slot in the paged KV pool; decode and prefill rows are the same
-  work. `rope_attention` does the rotation and the K/V write inside that launch on decode
-  steps.
+* `paged_attention` (attention.py, paged_attention.cu): one thread block per (tile of a
+  prompt's rows, kv head) over the slot's paged KV on the tensor cores; a row has the same
+  bits in any tile, so decode and prefill rows agree. `rope_attention` does the rotation
+  and the K/V write inside that launch on decode steps.
 * `sample_draw` (sample.py, sample_draw.cu): the sampled rows' truncation and draw in one
   launch, a block per row, with integer masses.
 * `rope_write` and `swiglu` (glue.py): the elementwise glue in one launch each;
