@@ -79,9 +79,21 @@ def test_kernel_sources_are_read_and_compacted_once(name: str) -> None:
 def test_the_attention_kernels_differ_only_in_their_query_and_patch() -> None:
     plain, _ = sources.source("paged_attention")
     rope, _ = sources.source("rope_attention")
-    assert "qs[i / D][i % D] = static_cast<float>(q[base + i]);" in plain
+    assert "reinterpret_cast<const uint32_t*>(q + " in plain  # q read into qs
     assert "rope_rotate(" in rope and "rope_rotate(" not in plain
-    assert "newk" in rope and "newk" not in plain
+    assert "newk" in rope and "newk" not in plain and "newv" in rope
+
+
+def test_attention_tiles_cut_each_segment_and_the_padding() -> None:
+    """launch.attention_tiles: each segment from its first row in ATTENTION_TILE pieces (a
+    decode row alone), then the padding rows likewise; ascending, so a tile's rows end where
+    the next tile's begin (paged_attention.cu reads them so)."""
+    t = launch.ATTENTION_TILE
+    segments = [(0, 2 * t + 3), (2 * t + 3, 1), (2 * t + 4, t)]
+    rows = 3 * t + 4
+    tiles = launch.attention_tiles(segments, rows, rows + t + 1)
+    assert tiles == [0, t, 2 * t, 2 * t + 3, 2 * t + 4, rows, rows + t]
+    assert launch.attention_tiles([(0, 1), (1, 1)], 2, 2) == [0, 1]
 
 
 @pytest.mark.parametrize("n", [48, 256, 1024, 4096, 6144, 14336, 16384, 28672, 65536, 128256])

@@ -93,8 +93,9 @@ def test_cuda_attention_gets_the_qkv_rows_with_normed_heads(
     seen: dict[str, Any] = {}
 
     def recorder(qkv: mx.array, cos: mx.array, sin: mx.array, *args: Any,
-                 sinks: mx.array | None = None) -> mx.array:
-        seen.update(qkv=qkv, cos=cos, window=args[-1], one_row=args[-2], sinks=sinks)
+                 sinks: mx.array | None = None, tiles: mx.array | None = None) -> mx.array:
+        seen.update(qkv=qkv, cos=cos, window=args[-1], one_row=args[-2], sinks=sinks,
+                    tiles=tiles)
         return mx.zeros((qkv.shape[0], 64), mx.bfloat16)
 
     monkeypatch.setattr(cuda, "rope_attention", recorder)
@@ -110,6 +111,7 @@ def test_cuda_attention_gets_the_qkv_rows_with_normed_heads(
     assert mx.array_equal(seen["qkv"], want).item()
     assert seen["cos"] is rope.cos and rope.size > 3 and seen["window"] is None
     assert seen["sinks"] is None  # qwen3 has no attention sinks
+    assert seen["tiles"].tolist() == [0]  # the 3-row prompt is one tile
     assert not seen["one_row"] and len(batch.effects) == 1  # its K/V writes are evaluated
 
 
