@@ -57,8 +57,9 @@ def test_warm_up_respects_the_slot_count(model: Any) -> None:
 
 
 def test_a_warm_up_step_of_many_rows_stays_within_top_logprobs(model: Any) -> None:
-    """Row i asks for 2i top logprobs, capped at the API's 20: a GPU warms up its first
-    unstaged decode row count (33 rows on the H200 8B), past the cap, and died there."""
+    """Row i asks for 2i top logprobs, capped at the API's 20: a GPU warmed up its first
+    unstaged decode row count (33 rows on the H200 8B, before every launch staged K/V), past
+    the cap, and died there."""
     prompts = [[(3 * i + j) % 1000 for j in range(4 + i)] for i in range(12)]
     assert _run(ModelRunner(model), model, prompts, decode=1) == 2
     pool = model.kv_pool
