@@ -37,8 +37,14 @@ def _tiles(tiles: mx.array | None, rows: int) -> tuple[mx.array, int]:
     """A launch's tiles and their most rows: Batch's (launch.attention_tiles), or one row a
     tile."""
     if tiles is None:
-        return mx.arange(rows, dtype=mx.int32), 1
+        return _row_tiles(rows), 1
     return tiles, launch.ATTENTION_TILE
+
+
+@cache
+def _row_tiles(rows: int) -> mx.array:
+    """One row a tile, made once per row count (rope_attention asks every layer)."""
+    return mx.arange(rows, dtype=mx.int32)
 
 
 @cache
