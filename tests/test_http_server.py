@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import requests
 from engine_harness import wait_until
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -111,6 +112,25 @@ def test_chat_paris_sync(client: openai.OpenAI) -> None:
     assert r.choices[0].finish_reason == "stop" and r.object == "chat.completion"
     assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == \
         r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_stream_is_utf8_to_a_client_decoding_by_the_headers(srv: BackgroundServer) -> None:
+    """Python requests decodes a text/* body without a charset as ISO-8859-1: the 0x85
+    byte of Cyrillic х then reads as U+0085, which its iter_lines breaks a line at, and a
+    data line's JSON ends inside a string (a Locust client hit it on sampled SmolLM2
+    text). The stream names its charset, so the event lines arrive whole and decoded."""
+    x = srv.state.engine.tokenizer.encode("х")
+    assert len(x) == 1 and "х".encode() == b"\xd1\x85"
+    body = {"messages": FRANCE, "max_tokens": 3, "temperature": 0, "stream": True,
+            "logit_bias": {str(x[0]): 100}}
+    with requests.post(srv.url + "/v1/chat/completions", json=body, stream=True,
+                       timeout=60) as r:
+        assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+        lines = [line[6:] for line in r.iter_lines(decode_unicode=True)
+                 if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(ch["delta"].get("content") or "" for ch in map(json.loads, lines)
+                   for ch in ch["choices"])
+    assert text == "ххх"
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 1234}])

@@ -270,7 +270,12 @@ def engine_failure(final: Delta) -> APIError:
 
 
 def stream_response(body: AsyncIterator[bytes]) -> Response:
-    response = Response(body, content_type="text/event-stream", headers=HEADERS)
+    """An SSE answer. The charset is named: without it a client that decodes by the
+    headers (Python requests' iter_lines) reads text/* as ISO-8859-1, and a UTF-8
+    continuation byte 0x85 (the second byte of Cyrillic х, of Å) becomes U+0085, a line
+    break to str.splitlines, which cuts a data line inside its JSON string."""
+    response = Response(body, content_type="text/event-stream; charset=utf-8",
+                        headers=HEADERS)
     response.timeout = None  # generation may legitimately take minutes
     return response
 
