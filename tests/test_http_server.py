@@ -128,8 +128,8 @@ def test_stream_is_utf8_to_a_client_decoding_by_the_headers(srv: BackgroundServe
         assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
         lines = [line[6:] for line in r.iter_lines(decode_unicode=True)
                  if line.startswith("data: ") and line != "data: [DONE]"]
-    text = "".join(ch["delta"].get("content") or "" for ch in map(json.loads, lines)
-                   for ch in ch["choices"])
+    text = "".join(choice["delta"].get("content") or ""
+                   for event in map(json.loads, lines) for choice in event["choices"])
     assert text == "ххх"
 
 
