@@ -25,7 +25,8 @@
 #          quantized_matmul, mxfp4 gather_qmm, top-k) alone at gpt-oss's GPU-test shapes, bf16
 #          and f32: which launch (not in the default list)
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
-#          (the synth llama3-8b, or $PROFILE_MODEL; rows $PROFILE_ROWS, default 1,64)
+#          (the synth llama3-8b, or $PROFILE_MODEL; rows $PROFILE_ROWS, default 1,64; context
+#          $PROFILE_CTX, default 128, several given: a profile each)
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers)
@@ -315,9 +316,15 @@ ncu_report() {
 
 if want profile; then
   # PROFILE_MODEL: another checkpoint (e.g. hybrid_decode's qwen3.5-35b-a3b-mlx4-8l)
-  stage "profile: one decode step kernel by kernel (ncu), ${PROFILE_ROWS:-1,64} rows"
-  ncu_stage profile bench/gpu_profile.py "${PROFILE_MODEL:-$LLAMA}" --rows "${PROFILE_ROWS:-1,64}"
-  [ -f "$OUT/profile.json" ] && { head -c 3000 "$OUT/profile.json"; echo; }
+  # PROFILE_CTX: prompt tokens per slot, one profile each (default 128: profile.json; any
+  # other C: profile_ctxC.json)
+  for ctx in ${PROFILE_CTX:-128}; do
+    name=profile; [ "$ctx" = 128 ] || name=profile_ctx$ctx
+    stage "profile: one decode step kernel by kernel (ncu), ${PROFILE_ROWS:-1,64} rows, $ctx-token context"
+    ncu_stage "$name" bench/gpu_profile.py "${PROFILE_MODEL:-$LLAMA}" \
+      --rows "${PROFILE_ROWS:-1,64}" --ctx "$ctx"
+    [ -f "$OUT/$name.json" ] && { head -c 3000 "$OUT/$name.json"; echo; }
+  done
 fi
 
 if want launches; then

@@ -103,7 +103,7 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
         inputs=[part, row_table, row_pos, sink_input],
         template=[("G", group), ("D", d), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
                   ("SINKS", has_sinks)],
-        grid=(r * hkv * ATTENTION_THREADS, 1, 1), threadgroup=(ATTENTION_THREADS, 1, 1),
+        grid=(r * hq * ATTENTION_THREADS, 1, 1), threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, hq * d)], output_dtypes=[mx.bfloat16])
     return out.reshape(q.shape)
 

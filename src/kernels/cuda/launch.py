@@ -39,6 +39,10 @@ time per kernel with the caches flushed before each, as a step reads its weights
   4-bit, one stream: decode at 4k context 128 -> 213 tok/s, at 16k 46 -> 158 tok/s; the
   prefill of one 16k prompt 6.70 -> 7.86 s (its rows are split too: prefill and decode must
   give a position the same bits).
+* attention_combine, a block per (row, query head): a block per (row, kv head) took its
+  query heads one after another, 20.7 -> 14.0 µs a layer for one 16k-context row under
+  Nsight Compute; one-stream decode steps (compiled, pipelined) at 1k context 4.32 -> 4.14
+  ms, at 16k 5.26 -> 5.12 ms.
 """
 
 from __future__ import annotations
