@@ -40,7 +40,7 @@
 #pragma unroll
     for (int u = 0; u < CHUNK; ++u) m = fmaxf(m, pm[u]);
   }
-  const float sink = SINKS ? sinks[h * G + gg] : neg_inf();
+  const float sink = SINKS ? sinks[hq] : neg_inf();
   if (SINKS) m = fmaxf(m, sink);
   float sum = -0.0f, acc = -0.0f;  // (x + -0 is x, signed zeros included)
   for (int s0 = 0; s0 < splits; s0 += CHUNK) {
