@@ -10,9 +10,9 @@
 #   sampling  gpu_bench.py --sampling: decode tok/s with temperature 0.7 + top_p 0.9 and
 #          top_k 40 beside greedy at N = 1, 8, 64, and each ratio to greedy (not in the
 #          default list)
-#   cold   gpu_bench.py --cold: the first 8-stream batch after start-up against the same
-#          batch warm (cold / warm), with the start-up warm-up and without (not in the
-#          default list)
+#   cold   gpu_bench.py --cold: the first batch of $COLD_STREAMS (default 8) streams after
+#          start-up against the same batch warm (cold / warm), with the start-up warm-up and
+#          without (not in the default list)
 #   admission  bench/gpu_admission.py on it, default KV budget: 64 requests without
 #          max_tokens run at once; 8 x 32k-token prompts all served (not in the default list)
 #   host   bench/host_cost.py once per MLX CUDA-graph setting: a step's host cost, plain
@@ -241,7 +241,7 @@ if want cold; then
   stage "gpu_bench llama3-8b --cold: the first 8-stream batch after start-up vs warm"
   for warm in "" --no-warm-up; do  # the engine's start-up warm-up, then without it
     timeout "${COLD_TIMEOUT:-240}" $PY bench/gpu_bench.py --model "$LLAMA" --streams "" \
-      --cold --cold-streams 8 --prompt-tokens 128 --new-tokens 64 --skip-invariance $warm \
+      --cold --cold-streams "${COLD_STREAMS:-8}" --prompt-tokens 128 --new-tokens 64 --skip-invariance $warm \
       --out "$OUT/cold${warm:+_no_warm_up}_llama3-8b.json" | grep -v '^ \|^[{}]$'
   done
 fi

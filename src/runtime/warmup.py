@@ -8,8 +8,8 @@ the first requests' steps (issue 18 measured a first 8-stream batch at 17.7 s ag
 1.4 s warm). `warm_up` runs a few real steps through the runner at load instead, on KV
 of its own that it releases after: a prefill of several segments and one of more than a
 KV page, then decode steps at the row counts whose kernels differ (the fused-norm
-launches of 1-4 rows, more rows, a batch of 8, and the first row count whose attention
-no longer stages K/V) until each is compiled, every step sampling with a mix of the
+launches of 1-4 rows, more rows, a batch of 8, and one row count in each of the 4-bit
+matmul's wider launch bands) until each is compiled, every step sampling with a mix of the
 sampler's knobs (greedy, top_p, top_k, min_p, penalties, bias, logprobs) so the device
 sampler's kernels are compiled too.
 
@@ -39,7 +39,9 @@ KNOBS = (
     SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2,
                    presence_penalty=0.1, logit_bias={0: -1.0}, seed=3),
 )
-DECODE_ROWS = (1, 2, 3, 4, 5, 8)  # q4_matmul's fused norm is per row count up to 4
+# q4_matmul's fused norm is per row count up to 4; 24 and 40 rows take its launch shapes
+# of 17-32 rows and of more (launch.Q4_SHAPES), which a batch growing past 16 streams meets
+DECODE_ROWS = (1, 2, 3, 4, 5, 8, 24, 40)
 DECODE_STEPS = 3  # CompiledDecode traces a shape's second step in a row; the third replays
 
 

@@ -2,7 +2,7 @@
 // two mma rows' column pairs). With SINKS (gpt-oss) each query head's sink logit (sinks
 // [HQ], log2 units) is one more term of the softmax that weights no value, folded in after
 // the last key block: the running max and sum rescaled to max(run_max, sink), exactly as
-// attention_combine.cu does for one split.
+// attention_combine.cu does for one split. NARROW: a warp writes its own columns.
 
   if (active) {
 #pragma unroll
@@ -19,6 +19,7 @@
           + ((size_t)m_row[e] * HQ + h * G + m_head[e]) * D + 2 * t4;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
+        if (NARROW && (n >> 1) % 4 != warp) continue;  // another warp's columns
         float a0 = o[n][2 * e], a1 = o[n][2 * e + 1];
         if (SINKS) {
           a0 = __fmaf_rn(a0, f, -0.0f);

@@ -49,6 +49,12 @@
   const int NT = tiles_shape[0];
   constexpr int TP = 64 / G < TILE ? 64 / G : TILE;  // rows a block takes
   constexpr int SUB = (TILE + TP - 1) / TP;  // blocks a tile takes (per kv head and split)
+  // NARROW: the block's mma rows fit one warp's 16 (a decode row's query heads), so the
+  // four warps hold the same rows and share each key block's work: warp w computes S of
+  // keys 32w .. 32w + 31 (into ss, which every warp then reads whole) and the O columns of
+  // dimension steps w, w + 4, ..; each element is summed as in the wide form, in the same
+  // order, so a row has the same bits either way
+  constexpr bool NARROW = TP * G <= 16;
 @BLOCK@
   const int tile_first = tiles[tile];
   const int tile_end = min(tile + 1 < NT ? tiles[tile + 1] : R, tile_first + TILE);
@@ -57,6 +63,7 @@
   const int nrows = min(TP, tile_end - first);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // the mma fragment's row and column pair
+  const int mwarp = NARROW ? 0 : warp;  // the warp whose 16 mma rows this thread holds
   const int tb = row_table[first];
   if (tb < 0) {
 @PAD@
@@ -79,17 +86,18 @@
   int m_row[2], m_head[2], m_lo[2], m_pos[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const int i = warp * 16 + g + 8 * e, pi = i / G;
+    const int i = mwarp * 16 + g + 8 * e, pi = i / G;
     const bool real = i < TP * G && pi < nrows;
     m_row[e] = real ? first + pi : -1;
     m_head[e] = i % G;
     m_pos[e] = real ? row_pos[first + pi] : -1;
     m_lo[e] = (WINDOW > 0 && m_pos[e] - WINDOW + 1 > 0) ? m_pos[e] - WINDOW + 1 : 0;
   }
-  const bool active = warp * 16 < nrows * G && warp * 16 < TP * G;  // a warp with real rows
+  const bool active = mwarp * 16 < nrows * G && mwarp * 16 < TP * G;  // real rows
   constexpr int QW = D + 8;  // bf16 a staged query row (padded: no bank conflicts)
   __shared__ __align__(16) __nv_bfloat16 qs[64][QW];
   constexpr int KW = D / 8 + 1;  // 16-byte words a staged K or V row (padded)
+  __shared__ float ss[NARROW ? 16 : 1][NARROW ? 132 : 1];  // NARROW: a key block's S
   extern __shared__ uint4 staged[];  // [128][KW] K rows, then [128][KW] V rows
   uint4* const ks = staged;
   uint4* const vs = staged + 128 * KW;
@@ -117,7 +125,7 @@
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(&qs[warp * 16][0]);
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(&qs[mwarp * 16][0]);
   const uint32_t* k32 = reinterpret_cast<const uint32_t*>(ks);
   for (int jb = jb_first; jb <= jb_last; ++jb) {
     const bool more = jb < jb_last;
@@ -136,12 +144,24 @@
         const uint32_t a3 = q32[(g + 8) * (QW / 2) + 8 * ds + 4 + t4];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
+          if (NARROW && j / 4 != warp) continue;
           const uint32_t* kr = k32 + (8 * j + g) * (KW * 4) + 8 * ds + t4;
           mma_bf16(s[j], a0, a1, a2, a3, kr[0], kr[4]);
         }
       }
+      if (NARROW)
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          if (j / 4 == warp)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) ss[g + 8 * (c >> 1)][8 * j + 2 * t4 + (c & 1)] = s[j][c];
     }
-    __syncthreads();  // every warp is done with this block's K
+    __syncthreads();  // every warp is done with this block's K (NARROW: and wrote its S)
+    if (NARROW && active)
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[j][c] = ss[g + 8 * (c >> 1)][8 * j + 2 * t4 + (c & 1)];
     if (more) stage(ks, kpool, jb + 1, false); else cp_async_commit();
     float alpha[2];
     if (active) {
@@ -205,6 +225,7 @@
         const uint32_t a3 = pack_bf16(s[2 * ks16 + 1][2], s[2 * ks16 + 1][3]);
 #pragma unroll
         for (int np = 0; np < D / 16; ++np) {
+          if (NARROW && np % 4 != warp) continue;
           uint32_t b[4];
           ldmatrix_x4_trans(b, vb + (size_t)(16 * ks16 + vkey) * (KW * 8) + 16 * np + vcol);
           mma_bf16(o[2 * np], a0, a1, a2, a3, b[0], b[1]);
