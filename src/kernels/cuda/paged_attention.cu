@@ -10,8 +10,9 @@
 //
 // A block (4 warps) takes up to TP rows of a tile and one kv head: its 64 mma rows are the
 // rows' GQA query heads (mma row i: the tile's row i / G, query head i % G; rows past TP * G
-// or past the tile: zeros), warp w mma rows 16w .. 16w + 15. Each key block of 128 (at fixed
-// absolute positions) is staged in shared memory once for all of them: S = Q K^T on the
+// or past the tile: zeros), warp w mma rows 16w .. 16w + 15 (NARROW, where they fit in 16:
+// all four warps hold rows 0 .. 15 and share each key block's work). Each key block of 128
+// (at fixed absolute positions) is staged in shared memory once for all of them: S = Q K^T on the
 // tensor cores (dimension steps of 16 in order), each row's max and sum over the block in a
 // fixed order, P rounded to bf16, O = O * alpha + P V (key steps of 16 in order). An mma
 // row's sums depend on its own query and the keys alone, and a key block past a row's last
