@@ -29,7 +29,8 @@
 #          $PROFILE_CTX, default 128, several given: a profile each)
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
-#   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers)
+#   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers;
+#          context $ATTENTION_CTX, default 128)
 #   sass   the 1-row gate+up launch's SASS with per-instruction counts; warp states of it and
 #          of the 1-row attention (ncu)
 #   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention; one long
@@ -344,7 +345,7 @@ fi
 if want attention_detail; then
   stage "attention_detail: ncu's detailed sections for paged_attention in a 1-row decode step"
   if ncu_report attention_detail.txt --set detailed -k regex:slotserve_paged_attention -c 2 \
-      $PY bench/gpu_profile.py "$LLAMA" --rows 1; then
+      $PY bench/gpu_profile.py "$LLAMA" --rows 1 --ctx "${ATTENTION_CTX:-128}"; then
     grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall" \
       "$OUT/attention_detail.txt" | cut -c1-220 | head -60
   fi

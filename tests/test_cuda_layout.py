@@ -112,3 +112,15 @@ def test_k_split_depends_on_k_alone() -> None:
     assert [launch.k_split(k // 128) for k in (128, 256, 384, 512, 640, 1024, 4096, 14336)] == [
         1, 2, 1, 4, 1, 8, 8, 8]
     assert launch.rms_threads(4096) == 32 * launch.k_split(32)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_a_decode_rows_block_is_narrow_and_stages_its_s(group: int) -> None:
+    """A decode row (a tile of one) fits one warp's 16 mma rows for GQA groups up to 16,
+    so its launch has room for the key block's S; a prefill tile of 16 rows does only
+    where the group is 1 (paged_attention.cu's NARROW)."""
+    assert launch.attention_narrow(group, 1)
+    assert launch.attention_narrow(group, launch.ATTENTION_TILE) == (group == 1)
+    assert (launch.attention_shared_bytes(128, True)
+            == launch.attention_shared_bytes(128, False) + 16 * 132 * 4)
+    assert not launch.attention_narrow(32, 1)  # 32 heads a row: two warps' mma rows

@@ -88,7 +88,7 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
               row_pos, tiles, _attention_params(scale), sink_input]
     template = [("T", kpool.dtype), ("G", group), ("D", d), ("WINDOW", window or 0),
                 ("TILE", tile), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS), ("SINKS", has_sinks)]
-    shared = launch.attention_shared_bytes(d)
+    shared = launch.attention_shared_bytes(d, launch.attention_narrow(group, tile))
     if splits == 1:
         (out,) = kernel("paged_attention", shared)(
             inputs=inputs, template=template, grid=(blocks * ATTENTION_THREADS, 1, 1),
@@ -136,7 +136,8 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
     assert group <= MAX_GROUP, "query heads a kv head"
     tiles, tile = _tiles(None, r)  # a decode step's rows: a tile each
     sink_input, has_sinks = _sinks(sinks)
-    (out,) = kernel("rope_attention", launch.attention_shared_bytes(head_dim))(
+    shared = launch.attention_shared_bytes(head_dim, launch.attention_narrow(group, tile))
+    (out,) = kernel("rope_attention", shared)(
         inputs=[qkv, kpool, vpool, tables, row_table, row_pos, tiles,
                 _attention_params(scale), sink_input, cos, sin, write_rows],
         template=[("T", kpool.dtype), ("G", group), ("D", head_dim),

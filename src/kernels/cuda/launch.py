@@ -39,6 +39,11 @@ time per kernel with the caches flushed before each, as a step reads its weights
   4-bit, one stream: decode at 4k context 128 -> 213 tok/s, at 16k 46 -> 158 tok/s; the
   prefill of one 16k prompt 6.70 -> 7.86 s (its rows are split too: prefill and decode must
   give a position the same bits).
+* paged_attention, NARROW blocks (`attention_narrow`: mma rows that fit one warp's 16, a
+  decode row's query heads): the four warps share each key block (S by keys, P V by
+  dimension steps) instead of one warp doing it all; the 16k-context split launch 85.9 ->
+  75.5 µs under Nsight Compute's detailed sections (still latency bound: one block of 4
+  warps on most SMs, 0.8 TB/s).
 * attention_combine, a block per (row, query head): a block per (row, kv head) took its
   query heads one after another, 20.7 -> 14.0 µs a layer for one 16k-context row under
   Nsight Compute; one-stream decode steps (compiled, pipelined) at 1k context 4.32 -> 4.14
@@ -116,10 +121,18 @@ def rms_threads(k: int) -> int:
     return 32 * k_split(k // 128)
 
 
-def attention_shared_bytes(head_dim: int) -> int:
+def attention_narrow(group: int, tile: int) -> bool:
+    """Whether an attention block's mma rows (the GQA heads of its rows: min(64 // group,
+    tile) of them) fit one warp's 16, so its four warps share each key block's work
+    (paged_attention.cu's NARROW: a decode row's heads)."""
+    return min(64 // group, tile) * group <= 16
+
+
+def attention_shared_bytes(head_dim: int, narrow: bool) -> int:
     """Dynamic shared memory of an attention launch: a key block's padded K rows, then its
-    padded V rows."""
-    return 2 * 128 * (head_dim // 8 + 1) * 16
+    padded V rows; narrow (attention_narrow), then the key block's S, 16 rows of 132
+    floats."""
+    return 2 * 128 * (head_dim // 8 + 1) * 16 + (16 * 132 * 4 if narrow else 0)
 
 
 def attention_splits(table_blocks: int) -> int:

@@ -55,7 +55,8 @@
   // keys 32w .. 32w + 31 (into ss, which every warp then reads whole) and the O columns of
   // dimension steps w, w + 4, ..; each element is summed as in the wide form, in the same
   // order, so a row has the same bits either way
-  constexpr bool NARROW = TP * G <= 16;
+  constexpr bool NARROW = TP * G <= 16;  // (launch.attention_narrow)
+  constexpr int QROWS = NARROW ? 16 : 64;  // mma rows a block stages the queries of
 @BLOCK@
   const int tile_first = tiles[tile];
   const int tile_end = min(tile + 1 < NT ? tiles[tile + 1] : R, tile_first + TILE);
@@ -96,12 +97,14 @@
   }
   const bool active = mwarp * 16 < nrows * G && mwarp * 16 < TP * G;  // real rows
   constexpr int QW = D + 8;  // bf16 a staged query row (padded: no bank conflicts)
-  __shared__ __align__(16) __nv_bfloat16 qs[64][QW];
+  __shared__ __align__(16) __nv_bfloat16 qs[QROWS][QW];
   constexpr int KW = D / 8 + 1;  // 16-byte words a staged K or V row (padded)
-  __shared__ float ss[NARROW ? 16 : 1][NARROW ? 132 : 1];  // NARROW: a key block's S
-  extern __shared__ uint4 staged[];  // [128][KW] K rows, then [128][KW] V rows
+  // [128][KW] K rows, then [128][KW] V rows; NARROW: then a key block's S [16][SW] floats
+  extern __shared__ uint4 staged[];
   uint4* const ks = staged;
   uint4* const vs = staged + 128 * KW;
+  constexpr int SW = 132;  // floats a row of S (padded)
+  float* const ss = reinterpret_cast<float*>(staged + 256 * KW);
   // key block jb's K or V rows up to pos_max copied in (all in flight at once, cp.async),
   // one commit group; V rows past them zeroed (p is 0 there, and 0 * NaN would not be)
   auto stage = [&](uint4* dst, const T* pool, int jb, bool zero_tail) {
@@ -155,14 +158,14 @@
         for (int j = 0; j < 16; ++j)
           if (j / 4 == warp)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) ss[g + 8 * (c >> 1)][8 * j + 2 * t4 + (c & 1)] = s[j][c];
+            for (int c = 0; c < 4; ++c) ss[(g + 8 * (c >> 1)) * SW + 8 * j + 2 * t4 + (c & 1)] = s[j][c];
     }
     __syncthreads();  // every warp is done with this block's K (NARROW: and wrote its S)
     if (NARROW && active)
 #pragma unroll
       for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) s[j][c] = ss[g + 8 * (c >> 1)][8 * j + 2 * t4 + (c & 1)];
+        for (int c = 0; c < 4; ++c) s[j][c] = ss[(g + 8 * (c >> 1)) * SW + 8 * j + 2 * t4 + (c & 1)];
     if (more) stage(ks, kpool, jb + 1, false); else cp_async_commit();
     float alpha[2];
     if (active) {

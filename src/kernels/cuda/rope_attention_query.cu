@@ -13,7 +13,7 @@
   const T* qr = qkv + (size_t)first * W;
   const T* ct = cos_t + (size_t)p0 * D;
   const T* st = sin_t + (size_t)p0 * D;
-  for (int i = tid; i < 64 * (D / 2); i += 128) {
+  for (int i = tid; i < QROWS * (D / 2); i += 128) {
     const int mr = i / (D / 2), d = i % (D / 2);
     float o1 = 0.0f, o2 = 0.0f;
     if (mr < G) {
