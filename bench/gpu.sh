@@ -13,6 +13,9 @@
 #   cold   gpu_bench.py --cold: the first batch of $COLD_STREAMS (default 8) streams after
 #          start-up against the same batch warm (cold / warm), with the start-up warm-up and
 #          without (not in the default list)
+#   decode_history  bench/decode_history.py: one 16k prompt's decode fresh, after sampled
+#          128-stream batches on the same engine, and after dropping the decode traces and
+#          MLX's buffer cache (not in the default list)
 #   admission  bench/gpu_admission.py on it, default KV budget: 64 requests without
 #          max_tokens run at once; 8 x 32k-token prompts all served (not in the default list)
 #   host   bench/host_cost.py once per MLX CUDA-graph setting: a step's host cost, plain
@@ -245,6 +248,12 @@ if want cold; then
       --cold --cold-streams "${COLD_STREAMS:-8}" --prompt-tokens 128 --new-tokens 64 --skip-invariance $warm \
       --out "$OUT/cold${warm:+_no_warm_up}_llama3-8b.json" | grep -v '^ \|^[{}]$'
   done
+fi
+
+if want decode_history; then
+  stage "decode_history llama3-8b: a 16k prompt's decode fresh and after sampled batches"
+  timeout "${HISTORY_TIMEOUT:-400}" $PY bench/decode_history.py --model "$LLAMA" \
+    --out "$OUT/decode_history_llama3-8b.json" | grep '^{"'
 fi
 
 if want admission; then
