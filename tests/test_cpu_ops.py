@@ -59,3 +59,30 @@ def test_rms_norm_matches_mlx(lib: ctypes.CDLL) -> None:
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
     assert np.array_equal(cpu_gemm.rms_norm_host(lib, cpu_gemm.aligned_copy(x[3:4]), w, 1e-5),
                           got[3:4])  # a row alone: the same bits
+
+
+def test_top_values_are_each_rows_largest_in_order(lib: ctypes.CDLL) -> None:
+    """cpu_rank.top_values gives what MLX's topk and a descending sort give: probabilities
+    (ties, zeros, a flat row), then signed values (negatives, -0.0, infinities)."""
+    from slotserve.kernels import cpu_rank
+
+    rng = np.random.default_rng(7)
+    e = np.exp2(rng.standard_normal((6, 5000)).astype(np.float32) * 4 - 8).astype(np.float32)
+    e[1, ::3] = e[1, 7]  # a third of the row tied
+    e[2] = 0.5  # flat
+    e[3, 100:] = 0.0  # zeros below a short head
+    e[4] = np.round(e[4] * 8) / 8  # few distinct values
+    signed = rng.standard_normal((3, 777)).astype(np.float32)
+    signed[0, :5] = [-0.0, 0.0, np.inf, -np.inf, -0.0]
+    for x in (e, signed):
+        n, v = x.shape
+        for k in sorted({1, 2, 40, min(1024, v), v}):
+            got = np.empty((n, k), np.float32)
+            assert lib.slot_top_values(x.ctypes.data, n, v, k, got.ctypes.data) == 0
+            want = np.asarray(-mx.sort(-mx.topk(mx.array(x), k, axis=-1), axis=-1))
+            np.testing.assert_array_equal(got, want)
+            if k == 40:  # the wrapper the sampler calls (the engine's build)
+                np.testing.assert_array_equal(cpu_rank.top_values(x, k), want)
+    with_mx = cpu_rank.top_values(mx.array(e), 40)
+    np.testing.assert_array_equal(with_mx, cpu_rank.top_values(e, 40))
+    assert lib.slot_top_values(e.ctypes.data, 6, 5000, 0, e.ctypes.data) == -1  # k < 1

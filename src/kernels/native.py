@@ -52,6 +52,7 @@ _SIGNATURES = {
                    ctypes.c_int, _c_i64, _c_ptr],
     "slot_qgemm_f32": [_c_ptr, _c_i64, _c_i64, _c_ptr, ctypes.c_int, ctypes.c_int, _c_i64,
                        _c_ptr],
+    "slot_top_values": [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr],
     "slot_llama_block": [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, ctypes.c_float, _c_ptr,
                          _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64,
                          _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64,
