@@ -29,7 +29,8 @@
 #          and f32: which launch (not in the default list)
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
 #          (the synth llama3-8b, or $PROFILE_MODEL; rows $PROFILE_ROWS, default 1,64; context
-#          $PROFILE_CTX, default 128, several given: a profile each)
+#          $PROFILE_CTX, default 128, several given: a profile each; $PROFILE_SPLIT: key
+#          blocks an attention split takes, default launch.SPLIT_BLOCKS)
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers;
@@ -332,7 +333,7 @@ if want profile; then
     name=profile; [ "$ctx" = 128 ] || name=profile_ctx$ctx
     stage "profile: one decode step kernel by kernel (ncu), ${PROFILE_ROWS:-1,64} rows, $ctx-token context"
     ncu_stage "$name" bench/gpu_profile.py "${PROFILE_MODEL:-$LLAMA}" \
-      --rows "${PROFILE_ROWS:-1,64}" --ctx "$ctx"
+      --rows "${PROFILE_ROWS:-1,64}" --ctx "$ctx" ${PROFILE_SPLIT:+--split-blocks "$PROFILE_SPLIT"}
     [ -f "$OUT/$name.json" ] && { head -c 3000 "$OUT/$name.json"; echo; }
   done
 fi

@@ -166,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="no model: every 4-bit launch shape on Llama-3-8B's weight shapes")
     p.add_argument("--rule-only", action="store_true",
                    help="with --launches: only the engine's launch, on gate+up and down")
+    p.add_argument("--split-blocks", type=int,
+                   help="key blocks an attention split takes (launch.SPLIT_BLOCKS) for this "
+                        "profile: the split size a long row's decode runs with")
     args = p.parse_args(argv)
+    if args.split_blocks:
+        from slotserve.kernels.cuda import launch
+
+        launch.SPLIT_BLOCKS = args.split_blocks
     if args.summarize:
         json.dump(summarize(args.summarize), sys.stdout, indent=1)
         print()
