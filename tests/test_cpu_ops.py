@@ -62,9 +62,9 @@ def test_rms_norm_matches_mlx(lib: ctypes.CDLL) -> None:
 
 
 def test_top_values_are_each_rows_largest_in_order(lib: ctypes.CDLL) -> None:
-    """cpu_rank.top_values gives what MLX's topk and a descending sort give: probabilities
+    """cpu_sampler.top_values gives what MLX's topk and a descending sort give: probabilities
     (ties, zeros, a flat row), then signed values (negatives, -0.0, infinities)."""
-    from slotserve.kernels import cpu_rank
+    from slotserve.kernels import cpu_sampler
 
     rng = np.random.default_rng(7)
     e = np.exp2(rng.standard_normal((6, 5000)).astype(np.float32) * 4 - 8).astype(np.float32)
@@ -82,7 +82,40 @@ def test_top_values_are_each_rows_largest_in_order(lib: ctypes.CDLL) -> None:
             want = np.asarray(-mx.sort(-mx.topk(mx.array(x), k, axis=-1), axis=-1))
             np.testing.assert_array_equal(got, want)
             if k == 40:  # the wrapper the sampler calls (the engine's build)
-                np.testing.assert_array_equal(cpu_rank.top_values(x, k), want)
-    with_mx = cpu_rank.top_values(mx.array(e), 40)
-    np.testing.assert_array_equal(with_mx, cpu_rank.top_values(e, 40))
+                np.testing.assert_array_equal(cpu_sampler.top_values(x, k), want)
+    with_mx = cpu_sampler.top_values(mx.array(e), 40)
+    np.testing.assert_array_equal(with_mx, cpu_sampler.top_values(e, 40))
     assert lib.slot_top_values(e.ctypes.data, 6, 5000, 0, e.ctypes.data) == -1  # k < 1
+
+
+def test_sampler_probabilities_and_draw_are_mlxs_bits(lib: ctypes.CDLL) -> None:
+    """slot_sampler_exp2 gives mx.power(2, (z - max) * scale)'s bits (peaked, flat and
+    -inf entries, a row of one value), and slot_sampler_draw the token of _draw's MLX ops
+    (a running sum, its two counts) with and without a keep mask."""
+    rng = np.random.default_rng(11)
+    n, v = 7, 49152
+    z = (rng.standard_normal((n, v)) * 4).astype(np.float32)
+    z[1] *= 0.01  # nearly flat
+    z[2, ::5] = -np.inf  # banned entries (logit_bias)
+    z[3] = 1.5
+    scale = np.array([2.0, 1.44, 0.5, 1.0, 3.7, 1e-3, 40.0], np.float32)
+    e = np.empty_like(z)
+    assert lib.slot_sampler_exp2(z.ctypes.data, n, v, scale.ctypes.data, e.ctypes.data) == 0
+    zm = mx.array(z)
+    want = mx.power(2.0, (zm - mx.max(zm, axis=-1)[:, None]) * mx.array(scale)[:, None])
+    assert np.array_equal(e.view(np.uint32), np.asarray(want).view(np.uint32))
+    u = rng.random(n).astype(np.float32)
+    u[0] = 0.0
+    u[-1] = np.nextafter(np.float32(1.0), np.float32(0.0))
+    keep = rng.random((n, v)) < 0.3
+    for mask in (None, keep):
+        em = mx.array(e) if mask is None else mx.array(e) * mx.array(mask)
+        cdf = mx.cumsum(em, axis=-1)
+        mass = cdf[:, -1:]
+        first = mx.sum(cdf <= mx.array(u)[:, None] * mass, axis=-1)
+        want_t = np.asarray(mx.minimum(first, mx.sum(cdf < mass, axis=-1)))
+        got = np.empty(n, np.int32)
+        flags = None if mask is None else np.ascontiguousarray(mask, dtype=np.uint8)
+        assert lib.slot_sampler_draw(e.ctypes.data, None if flags is None else flags.ctypes.data,
+                                     n, v, u.ctypes.data, got.ctypes.data) == 0
+        np.testing.assert_array_equal(got, want_t)

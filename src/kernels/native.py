@@ -53,6 +53,8 @@ _SIGNATURES = {
     "slot_qgemm_f32": [_c_ptr, _c_i64, _c_i64, _c_ptr, ctypes.c_int, ctypes.c_int, _c_i64,
                        _c_ptr],
     "slot_top_values": [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr],
+    "slot_sampler_exp2": [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr],
+    "slot_sampler_draw": [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr],
     "slot_llama_block": [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, ctypes.c_float, _c_ptr,
                          _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64,
                          _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64,

@@ -59,7 +59,7 @@ from types import MappingProxyType
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels import cpu_rank, cuda
+from slotserve.kernels import cpu_sampler, cuda
 
 __all__ = [
     "KNOB_RANGES",
@@ -375,9 +375,9 @@ def _desc(x: mx.array) -> mx.array:
 
 def _top_prefix(x: mx.array, k: int) -> mx.array:
     """Each row's k largest values, descending: the native selection on the CPU
-    (cpu_rank), MLX's topk and sort elsewhere; the same numbers either way."""
+    (cpu_sampler), MLX's topk and sort elsewhere; the same numbers either way."""
     if mx.default_device() == mx.cpu:
-        top = cpu_rank.top_values(x, k)
+        top = cpu_sampler.top_values(x, k)
         if top is not None:
             return mx.array(top)
     return _desc(mx.topk(x, k, axis=-1))
@@ -436,10 +436,10 @@ def _rank_cutoffs(
         # rows whose top_k fits the wider prefix (or is off): their top_k mass is in it
         fits = (k_eff[rows] >= vocab) | (k_eff[rows] <= _TOP_P_WIDE)
         if 4 * _TOP_P_WIDE < vocab and fits.any():
-            # a wider prefix from a selection (cpu_rank's, or numpy's partition) and a sort
+            # a wider prefix from a selection (cpu_sampler's, or numpy's partition) and a sort
             # of only its values: the full sort's first _TOP_P_WIDE ranks, far cheaper
             sub = rows[fits]
-            top = cpu_rank.top_values(host[fits], _TOP_P_WIDE)
+            top = cpu_sampler.top_values(host[fits], _TOP_P_WIDE)
             if top is None:
                 top = -np.sort(np.partition(-host[fits], _TOP_P_WIDE - 1,
                                             axis=-1)[:, :_TOP_P_WIDE], axis=-1)
@@ -567,6 +567,10 @@ def _draw(
     min_p = np.array([p.min_p for p in params], np.float32)
     if on_device and cuda.enabled():  # one launch on slotserve's CUDA kernels
         return cuda.sample_draw(z, row_max, scale, k_eff, top_p, min_p, seeds, draws)
+    if not on_device and mx.default_device() == mx.cpu:
+        drawn = _host_draw(z, scale, k_eff, top_p, min_p, seeds, draws)
+        if drawn is not None:
+            return drawn
     uniforms = (device_uniforms(seeds, draws) if on_device else
                 mx.array(np.array(list(map(uniform_for, seeds, draws)), np.float32)))
     e = mx.power(2.0, (z - row_max[:, None]) * mx.array(scale)[:, None])
@@ -583,6 +587,24 @@ def _draw(
     first = mx.sum(cdf <= target, axis=-1)
     last = mx.sum(cdf < mass, axis=-1)
     return mx.minimum(first, last)
+
+
+def _host_draw(
+    z: mx.array, scale: np.ndarray, k_eff: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+    seeds: Sequence[int], draws: Sequence[int],
+) -> mx.array | None:
+    """_draw's host path with its passes over the vocabulary in slotserve's native CPU
+    kernels (kernels.cpu_sampler): the same probabilities, cutoffs and draws, so the same
+    tokens; None where they are not available."""
+    e_host = cpu_sampler.probabilities(z, scale)
+    if e_host is None:
+        return None
+    e = mx.array(e_host)
+    keep = _truncation_mask(e, mx.sum(e, axis=-1), k_eff, top_p, min_p)
+    u = np.array(list(map(uniform_for, seeds, draws)), np.float32)
+    tokens = cpu_sampler.draw(e_host, keep, u)
+    assert tokens is not None  # the library that made e_host
+    return mx.array(tokens)
 
 
 def sample_rows(

@@ -1,0 +1,76 @@
+"""The host sampler's passes over the vocabulary on the CPU: native/sampler.c via ctypes.
+
+runtime.sampling's host path on MLX's CPU ops spends ~25 ms of a 32-row step of a
+49,152-token vocabulary in them, each on one thread: the rows' max and power (~9 ms), the
+top-k prefix the cutoffs read (~10 ms with its sort), the cumsum and the draw's counts.
+These compute the same numbers (the max and selection are exact, MLX's CPU power is
+glibc's powf as here, its cumsum is sequential as here), rows side by side, so the
+sampler's tokens and logprobs are unchanged (tests/test_cpu_ops.py compares the bits).
+Each returns None where the native kernels are not available: the caller keeps MLX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import mlx.core as mx
+import numpy as np
+
+from slotserve.kernels import native
+
+
+def _host(x: mx.array | np.ndarray, dtype: type = np.float32) -> np.ndarray:
+    if isinstance(x, mx.array):
+        mx.eval(x)
+    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def top_values(x: mx.array | np.ndarray, k: int) -> np.ndarray | None:
+    """[n, k] float32: each row of x [n, v]'s k largest values (1 <= k <= v), descending."""
+    lib = native.library()
+    if lib is None:
+        return None
+    host = _host(x)
+    n, v = host.shape
+    if not 1 <= k <= v:
+        raise ValueError(f"k must be in [1, {v}], got {k}")
+    out = np.empty((n, k), dtype=np.float32)
+    if lib.slot_top_values(_ptr(host), n, v, k, _ptr(out)) != 0:
+        raise MemoryError("slot_top_values could not allocate its row buffers")
+    return out
+
+
+def probabilities(z: mx.array | np.ndarray, scale: np.ndarray) -> np.ndarray | None:
+    """[n, v] float32: 2^((z - each row's max) * scale[row]), as
+    mx.power(2.0, (z - mx.max(z, axis=-1)[:, None]) * scale[:, None]) gives them."""
+    lib = native.library()
+    if lib is None:
+        return None
+    host = _host(z)
+    n, v = host.shape
+    scales = np.ascontiguousarray(scale, dtype=np.float32)
+    assert scales.shape == (n,), "a scale a row"
+    out = np.empty((n, v), dtype=np.float32)
+    lib.slot_sampler_exp2(_ptr(host), n, v, _ptr(scales), _ptr(out))
+    return out
+
+
+def draw(e: np.ndarray, keep: mx.array | np.ndarray | None, u: np.ndarray) -> np.ndarray | None:
+    """[n] int32: per row the inverse-CDF draw of runtime.sampling._draw over e [n, v]
+    (kept entries only, keep [n, v] bool; None: all) at uniform u[row]."""
+    lib = native.library()
+    if lib is None:
+        return None
+    host = _host(e)
+    n, v = host.shape
+    mask = None if keep is None else _host(keep, np.uint8)
+    assert mask is None or mask.shape == (n, v), "a keep flag an entry"
+    uniforms = np.ascontiguousarray(u, dtype=np.float32)
+    tokens = np.empty((n,), dtype=np.int32)
+    lib.slot_sampler_draw(_ptr(host), None if mask is None else _ptr(mask), n, v,
+                          _ptr(uniforms), _ptr(tokens))
+    return tokens
