@@ -92,10 +92,10 @@ def test_sampler_probabilities_and_draw_are_mlxs_bits(lib: ctypes.CDLL) -> None:
     """slot_sampler_exp2 gives mx.power(2, (z - max) * scale)'s bits (peaked, flat and
     -inf entries, a row of one value), and slot_sampler_draw the token of _draw's MLX ops
     (a running sum, its two counts) with and without a keep mask; the sampler's own probe
-    of that (cpu_sampler.agrees_with_mlx) finds it too, so the host path takes them."""
-    from slotserve.kernels import cpu_sampler
+    of that (sampling.native_draw_agrees) finds it too, so the host path takes them."""
+    from slotserve.runtime import sampling
 
-    assert cpu_sampler.agrees_with_mlx()
+    assert sampling.native_draw_agrees()
     rng = np.random.default_rng(11)
     n, v = 7, 49152
     z = (rng.standard_normal((n, v)) * 4).astype(np.float32)

@@ -6,24 +6,19 @@ top-k prefix the cutoffs read (~10 ms with its sort), the cumsum and the draw's 
 These compute the same numbers (the max and selection are exact; MLX's CPU power is
 glibc's powf on Linux, as here, and its cumsum sequential, as here), rows side by side,
 so the sampler's tokens are unchanged (tests/test_cpu_ops.py compares the bits). The
-probabilities and the draw depend on MLX's CPU math agreeing with the C library's, so
-their first use checks that on a probe (`agrees_with_mlx`); where it does not (another
-libm, another MLX), the caller keeps MLX's ops. Each returns None where the native
-kernels are not available or do not agree: the caller then keeps MLX.
+probabilities and the draw depend on MLX's CPU math agreeing with the C library's, which
+runtime.sampling checks once on a probe before it takes them (`native_draw_agrees`). Each
+returns None where the native kernels are not available: the caller keeps MLX.
 """
 
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import mlx.core as mx
 import numpy as np
-import structlog
 
 from slotserve.kernels import native
-
-log = structlog.get_logger("slotserve.cpu_sampler")
 
 
 def _host(x: mx.array | np.ndarray, dtype: type = np.float32) -> np.ndarray:
@@ -51,48 +46,9 @@ def top_values(x: mx.array | np.ndarray, k: int) -> np.ndarray | None:
     return out
 
 
-@cache
-def agrees_with_mlx() -> bool:
-    """Whether the native probabilities and draw give MLX's CPU bits here: a probe of rows
-    from peaked to flat (with -inf entries), every scale the sampler's range covers, each
-    draw with and without a keep mask. Checked once a process."""
-    if native.library() is None:
-        return False
-    rng = np.random.default_rng(20261204)
-    z = (rng.standard_normal((6, 4096)) * np.array([[8], [4], [1], [0.2], [0.01], [30]])
-         ).astype(np.float32)
-    z[0, ::7] = -np.inf
-    scale = np.array([1.4426950, 0.72, 2.885, 144.27, 0.0144, 7.2], np.float32)
-    u = rng.random(6).astype(np.float32)
-    keep = rng.random(z.shape) < 0.5
-    with mx.stream(mx.cpu):  # MLX's CPU ops, whatever the default device
-        zm = mx.array(z)
-        want = np.asarray(mx.power(2.0, (zm - mx.max(zm, axis=-1)[:, None])
-                                   * mx.array(scale)[:, None]))
-        draws = []
-        for mask in (None, keep):
-            em = mx.array(want) if mask is None else mx.array(want) * mx.array(mask)
-            cdf = mx.cumsum(em, axis=-1)
-            mass = cdf[:, -1:]
-            first = mx.sum(cdf <= mx.array(u)[:, None] * mass, axis=-1)
-            draws.append((mask, np.asarray(mx.minimum(first, mx.sum(cdf < mass, axis=-1)))))
-    got = _probabilities(z, scale)
-    same = got is not None and np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    for mask, tokens in draws:
-        drawn = _draw(want, mask, u)
-        same = same and drawn is not None and np.array_equal(drawn, tokens)
-    if not same:
-        log.warning("native sampler passes do not match MLX's CPU ops here; using MLX's")
-    return same
-
-
 def probabilities(z: mx.array | np.ndarray, scale: np.ndarray) -> np.ndarray | None:
     """[n, v] float32: 2^((z - each row's max) * scale[row]), as
     mx.power(2.0, (z - mx.max(z, axis=-1)[:, None]) * scale[:, None]) gives them."""
-    return _probabilities(z, scale) if agrees_with_mlx() else None
-
-
-def _probabilities(z: mx.array | np.ndarray, scale: np.ndarray) -> np.ndarray | None:
     lib = native.library()
     if lib is None:
         return None
@@ -108,10 +64,6 @@ def _probabilities(z: mx.array | np.ndarray, scale: np.ndarray) -> np.ndarray | 
 def draw(e: np.ndarray, keep: mx.array | np.ndarray | None, u: np.ndarray) -> np.ndarray | None:
     """[n] int32: per row the inverse-CDF draw of runtime.sampling._draw over e [n, v]
     (kept entries only, keep [n, v] bool; None: all) at uniform u[row]."""
-    return _draw(e, keep, u) if agrees_with_mlx() else None
-
-
-def _draw(e: np.ndarray, keep: mx.array | np.ndarray | None, u: np.ndarray) -> np.ndarray | None:
     lib = native.library()
     if lib is None:
         return None

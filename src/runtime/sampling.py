@@ -54,12 +54,16 @@ import math
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from types import MappingProxyType
 
 import mlx.core as mx
 import numpy as np
+import structlog
 
 from slotserve.kernels import cpu_sampler, cuda
+
+log = structlog.get_logger("slotserve.sampling")
 
 __all__ = [
     "KNOB_RANGES",
@@ -373,13 +377,16 @@ def _desc(x: mx.array) -> mx.array:
     return -mx.sort(-x, axis=-1)
 
 
-def _top_prefix(x: mx.array, k: int) -> mx.array:
+def _top_prefix(x: mx.array | np.ndarray, k: int) -> mx.array:
     """Each row's k largest values, descending: the native selection on the CPU
-    (cpu_sampler), MLX's topk and sort elsewhere; the same numbers either way."""
-    if mx.default_device() == mx.cpu:
+    (cpu_sampler), else MLX's topk and sort (numpy's partition and sort for host rows);
+    the same numbers every way."""
+    if isinstance(x, np.ndarray) or mx.default_device() == mx.cpu:
         top = cpu_sampler.top_values(x, k)
         if top is not None:
             return mx.array(top)
+    if isinstance(x, np.ndarray):
+        return mx.array(-np.sort(np.partition(-x, k - 1, axis=-1)[:, :k], axis=-1))
     return _desc(mx.topk(x, k, axis=-1))
 
 
@@ -439,11 +446,7 @@ def _rank_cutoffs(
             # a wider prefix from a selection (cpu_sampler's, or numpy's partition) and a sort
             # of only its values: the full sort's first _TOP_P_WIDE ranks, far cheaper
             sub = rows[fits]
-            top = cpu_sampler.top_values(host[fits], _TOP_P_WIDE)
-            if top is None:
-                top = -np.sort(np.partition(-host[fits], _TOP_P_WIDE - 1,
-                                            axis=-1)[:, :_TOP_P_WIDE], axis=-1)
-            prefix = mx.array(top)
+            prefix = _top_prefix(host[fits], _TOP_P_WIDE)
             c_r, thr_r, ok = _cutoffs(prefix, k_eff[sub], top_p[sub], take(total, sub), vocab)
             c[sub[ok]], thr[sub[ok]] = c_r[ok], thr_r[ok]
             left = np.ones(len(rows), bool)
@@ -573,10 +576,20 @@ def _draw(
             return drawn
     uniforms = (device_uniforms(seeds, draws) if on_device else
                 mx.array(np.array(list(map(uniform_for, seeds, draws)), np.float32)))
-    e = mx.power(2.0, (z - row_max[:, None]) * mx.array(scale)[:, None])
+    e = _probabilities(z, row_max, mx.array(scale))
     total = mx.sum(e, axis=-1)
     mask = _device_truncation_mask if on_device else _truncation_mask
     keep = mask(e, total, k_eff, top_p, min_p)
+    return _cdf_draw(e, keep, uniforms)
+
+
+def _probabilities(z: mx.array, row_max: mx.array, scale: mx.array) -> mx.array:
+    """Each row's unnormalized probabilities at its temperature (scale log2 e / T)."""
+    return mx.power(2.0, (z - row_max[:, None]) * scale[:, None])
+
+
+def _cdf_draw(e: mx.array, keep: mx.array | None, uniforms: mx.array) -> mx.array:
+    """Each row's inverse-CDF draw over its kept probabilities at its uniform."""
     if keep is not None:
         e = e * keep
     cdf = mx.cumsum(e, axis=-1)
@@ -589,21 +602,50 @@ def _draw(
     return mx.minimum(first, last)
 
 
+@cache
+def native_draw_agrees() -> bool:
+    """Whether kernels.cpu_sampler's probabilities and draw give _probabilities' and
+    _cdf_draw's bits on this machine (MLX's CPU power must be the C library's powf, its
+    cumsum sequential): a probe of rows from peaked to flat (-inf entries included) at
+    scales across the sampler's range, each draw with and without a keep mask, checked
+    once a process. Where it fails the host path keeps MLX's ops, with a warning."""
+    rng = np.random.default_rng(20261204)
+    spread = np.array([[8], [4], [1], [0.2], [0.01], [30]])
+    z = (rng.standard_normal((6, 4096)) * spread).astype(np.float32)
+    z[0, ::7] = -np.inf
+    scale = np.array([1.4426950, 0.72, 2.885, 144.27, 0.0144, 7.2], np.float32)
+    u = rng.random(6).astype(np.float32)
+    got = cpu_sampler.probabilities(z, scale)
+    if got is None:
+        return False
+    with mx.stream(mx.cpu):  # MLX's CPU ops, whatever the default device
+        zm = mx.array(z)
+        want = np.asarray(_probabilities(zm, mx.max(zm, axis=-1), mx.array(scale)))
+        draws = [(mask, np.asarray(_cdf_draw(mx.array(want), mask, mx.array(u))))
+                 for mask in (None, mx.array(rng.random(z.shape) < 0.5))]
+    same = np.array_equal(got.view(np.uint32), want.view(np.uint32)) and all(
+        np.array_equal(cpu_sampler.draw(want, mask, u), tokens) for mask, tokens in draws)
+    if not same:
+        log.warning("native sampler passes do not match MLX's CPU ops here; using MLX's")
+    return same
+
+
 def _host_draw(
     z: mx.array, scale: np.ndarray, k_eff: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
     seeds: Sequence[int], draws: Sequence[int],
 ) -> mx.array | None:
     """_draw's host path with its passes over the vocabulary in slotserve's native CPU
     kernels (kernels.cpu_sampler): the same probabilities, cutoffs and draws, so the same
-    tokens; None where they are not available."""
-    e_host = cpu_sampler.probabilities(z, scale)
-    if e_host is None:
+    tokens; None where they are not available or do not agree (native_draw_agrees)."""
+    if not native_draw_agrees():
         return None
+    e_host = cpu_sampler.probabilities(z, scale)
+    assert e_host is not None  # (native_draw_agrees ran them)
     e = mx.array(e_host)
     keep = _truncation_mask(e, mx.sum(e, axis=-1), k_eff, top_p, min_p)
     u = np.array(list(map(uniform_for, seeds, draws)), np.float32)
     tokens = cpu_sampler.draw(e_host, keep, u)
-    assert tokens is not None  # the library that made e_host
+    assert tokens is not None
     return mx.array(tokens)
 
 
