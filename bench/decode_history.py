@@ -8,7 +8,8 @@ and at 7.8 ms after `slotserve bench --sampling --streams 128` on the same engin
 batches of 128 streams, greedy, top_p and top_k), while a greedy 128-stream batch before
 it left it at 5.2 ms. This script puts the cases in one process so the machine is the
 same for all of them: the long case fresh, then after the sampled batches, then again
-after dropping the decode traces and MLX's buffer cache, each with the engine's state
+after dropping the decode traces, then after the sampled batches once more and dropping
+MLX's buffer cache alone, each with the engine's state
 beside it (decode traces held, pool pages, MLX's active and cached memory) and the
 runner's time a step split into building/queueing the step and waiting for its tokens.
 
@@ -80,13 +81,17 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         assert engine.batcher is not None
         runner = engine.batcher.runner
 
-        def drop() -> None:
+        def drop_traces() -> None:
             if runner.compiled is not None:
                 runner.compiled.clear()
-            mx.clear_cache()
-        await engine.mlx.run(drop)
-        rows.append(await _long(engine, "then traces and buffer cache dropped", args.context,
+        await engine.mlx.run(drop_traces)
+        rows.append(await _long(engine, "then the decode traces dropped", args.context,
                                 args.new_tokens))
+        await bench.sampling_table(engine, [args.streams], args.prompt_tokens,
+                                   args.new_tokens, exact=True)
+        await engine.mlx.run(mx.clear_cache)
+        rows.append(await _long(engine, "sampled batches again, then MLX's buffer cache dropped",
+                                args.context, args.new_tokens))
     return rows
 
 

@@ -33,6 +33,7 @@
 #          blocks an attention split takes, default launch.SPLIT_BLOCKS)
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
+#          ($DETAIL_ARGS: gpu_profile.py --launches arguments, default --rule-only --rows 1,64)
 #   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers;
 #          context $ATTENTION_CTX, default 128)
 #   sass   the 1-row gate+up launch's SASS with per-instruction counts; warp states of it and
@@ -346,7 +347,7 @@ fi
 if want detail; then
   stage "detail: ncu's detailed sections for the engine's 4-bit launches (gate+up, down, lm_head), 1 and 64 rows"
   if ncu_report detail.txt --set detailed -k regex:slotserve_q4 \
-      $PY bench/gpu_profile.py --launches --rule-only --rows 1,64; then
+      $PY bench/gpu_profile.py --launches ${DETAIL_ARGS:---rule-only --rows 1,64}; then
     grep -E "slotserve_q4|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Hit|L2 Hit|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|stalled" \
       "$OUT/detail.txt" | cut -c1-220 | head -150
   fi

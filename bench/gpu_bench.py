@@ -460,7 +460,7 @@ def micro_attention(slots: tuple[int, ...] = (8, 64, 128), span: int = 256, kv_h
 
 
 def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
-                         split_blocks: tuple[int, ...] = (8, 4, 2), chunk: int = 1024,
+                         split_blocks: tuple[int, ...] = (8, 4, 2, 1), chunk: int = 1024,
                          kv_heads: int = 8, head_dim: int = 128,
                          group: int = 4) -> list[dict[str, Any]]:
     """One layer's attention at long contexts (Llama-3-8B heads) through slotserve's kernel,
