@@ -21,7 +21,8 @@
 #   host   bench/host_cost.py once per MLX CUDA-graph setting: a step's host cost, plain
 #          forward vs compiled (runtime.compiled)
 #   tests  pytest -m gpu of every GPU test file (tests/test_gpu*.py, the CUDA kernels',
-#          attention and device sampling tests), one process per file side by side; on a
+#          attention and device sampling tests; $TEST_FILES picks files, $TESTS_K is
+#          pytest's -k), one process per file side by side; on a
 #          fresh machine MLX JIT-compiles its CUDA kernels first (minutes; cached in
 #          MLX_PTX_CACHE_DIR)
 #   mlx_ops  bench/mlx_cuda_ops.py: MLX's CUDA ops of the MLX-ops path (gather_mm,
@@ -291,6 +292,7 @@ if want tests; then
   pids=()
   for f in $files; do
     (timeout "${TESTS_TIMEOUT:-540}" $PY -m pytest -q -m gpu -p no:cacheprovider -rA "$f" \
+      ${TESTS_K:+-k "$TESTS_K"} \
       > "$OUT/tests_$(basename "$f" .py).log" 2>&1
      echo "$f: exit $? $(tail -1 "$OUT/tests_$(basename "$f" .py).log")" >> "$OUT/tests.log") &
     pids+=($!)
