@@ -149,6 +149,21 @@ def default_kv_budget(device: str = "cpu", info: dict[str, Any] | None = None,
     return int(min(psutil.virtual_memory().total * 0.3, 16 * 2**30))
 
 
+def gpu_cache_limit(info: dict[str, Any]) -> int:
+    """The most MLX may keep of freed device buffers for reuse on a GPU: half the margin
+    default_kv_budget leaves free (7 GiB of an H200's 141).
+
+    Unbounded, MLX's cache keeps a buffer of every size a step frees (a long prompt's
+    prefill chunks and decode steps at a growing context free a new size each) up to 95 %
+    of the device, and past its memory limit each allocation that misses the cache
+    releases cached buffers. On the H200 a 16k-context row then decoded at 6.2-6.7 ms a
+    step (the host building steps, the device waiting) after sampled 128-stream batches,
+    against 5.0-5.3 ms fresh, and at 5.5 ms after mx.clear_cache(); bounded, the cache
+    stays inside the margin with the KV pool at its budget."""
+    total = int(info.get("total_memory") or info.get("memory_size") or 0)
+    return max(int(total * GPU_MARGIN), GPU_MARGIN_MIN) // 2
+
+
 def _device_memory() -> tuple[dict[str, Any], int, int]:
     """(device info, MLX cache bytes, MLX active bytes): MLX thread only."""
     return dict(mx.device_info()), mx.get_cache_memory(), mx.get_active_memory()
@@ -229,6 +244,11 @@ class Engine:
         for i in range(cfg.max_slots):
             self.slots.append(Slot(i, lm.model.new_kv(), self.batcher))
         bpt = self.slots[0].kv.bytes_per_position
+        if lm.device == "gpu":
+            info, _, _ = await self.mlx.run(_device_memory)
+            limit = gpu_cache_limit(info)
+            await self.mlx.run(lambda: mx.set_cache_limit(limit))
+            log.info("allocator cache bounded", cache_limit=limit)
         budget = cfg.kv_budget_bytes
         if not budget:
             info, cached, active = await self.mlx.run(_device_memory)

@@ -13,7 +13,7 @@ import pytest
 from engine_harness import PROMPTS, EngineHarness, preempted_like_alone
 
 from slotserve.actors.kv_cache import Chain, KVCache
-from slotserve.engine import Completion, default_kv_budget
+from slotserve.engine import Completion, default_kv_budget, gpu_cache_limit
 from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import KVPool, SlotKV
 
@@ -268,6 +268,9 @@ def test_the_default_budget_is_sized_by_the_device() -> None:
     assert default_kv_budget("gpu", {"total_memory": 8 * gib, "free_memory": gib}) == gib
     cpu = default_kv_budget("cpu")
     assert cpu == default_kv_budget("gpu", {}) and 0 < cpu <= 16 * gib
+    # MLX's cache of freed buffers is held to half of what the budget leaves free
+    assert gpu_cache_limit(h200) == int(14.1 * gib) // 2
+    assert gpu_cache_limit(small) == 2 * gib
 
 
 def test_a_page_copy_writes_in_place() -> None:
