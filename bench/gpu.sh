@@ -37,6 +37,9 @@
 #          ($DETAIL_ARGS: gpu_profile.py --launches arguments, default --rule-only --rows 1,64)
 #   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers;
 #          context $ATTENTION_CTX, default 128)
+#   attention_sass  the split attention launch of a 1-row decode step at $ATTENTION_CTX
+#          (default 1,024) keys: its SASS with per-instruction stall samples, warp states (ncu)
+#          (not in the default list)
 #   sass   the 1-row gate+up launch's SASS with per-instruction counts; warp states of it and
 #          of the 1-row attention (ncu)
 #   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention; one long
@@ -362,6 +365,16 @@ if want attention_detail; then
     grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall" \
       "$OUT/attention_detail.txt" | cut -c1-220 | head -60
   fi
+fi
+
+if want attention_sass; then
+  # where a long row's split attention waits: per-instruction stall samples of its SASS
+  stage "attention_sass: the split attention's SASS with stall samples, 1-row decode step"
+  ncu_report attention_sass.txt --section SourceCounters --section WarpStateStats \
+    --section SchedulerStats -k regex:slotserve_paged_attention_split -c 1 \
+    --page source --print-source sass $PY bench/gpu_profile.py "$LLAMA" --rows 1 \
+    --ctx "${ATTENTION_CTX:-1024}" &&
+  grep -E "Stall|stall|Warp Cycles|Eligible|Issued Warp" "$OUT/attention_sass.txt" | cut -c1-200 | head -40
 fi
 
 if want sass; then
