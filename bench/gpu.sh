@@ -35,13 +35,12 @@
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #          ($DETAIL_ARGS: gpu_profile.py --launches arguments, default --rule-only --rows 1,64)
-#   attention_detail  the same for paged_attention inside a 1-row decode step (2 layers;
-#          context $ATTENTION_CTX, default 128)
-#   attention_sass  the split attention launch of a 1-row decode step at $ATTENTION_CTX
-#          (default 1,024) keys: its SASS with per-instruction stall samples, warp states (ncu)
-#          (not in the default list)
-#   sass   the 1-row gate+up launch's SASS with per-instruction counts; warp states of it and
-#          of the 1-row attention (ncu)
+#   attention_detail  the same for the attention launch of a 1-row decode step (2 layers;
+#          context $ATTENTION_CTX, default 1,024: the split launch; up to 1,023 the fused
+#          rope_attention)
+#   sass   the 1-row gate+up launch's SASS with per-instruction counts and its warp states;
+#          the same for the attention launch of a 1-row decode step at $ATTENTION_CTX, with
+#          per-instruction stall samples (ncu)
 #   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention; one long
 #          row's attention by split size; the device sampler by rows ($MICRO_PARTS picks)
 #   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
@@ -120,6 +119,9 @@ LLAMA_BF16=$SYNTH_DIR/llama3-8b-bf16
 MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
 
 want() { [[ "$STAGES" == *" $1 "* ]]; }
+# the decode-step attention launch the ncu stages look at: fused up to 1,023 keys, then split
+ATTENTION_CTX=${ATTENTION_CTX:-1024}
+ATTENTION_KERNELS="slotserve_rope_attention|slotserve_paged_attention"
 stage() { echo; echo "=== $(date -u +%FT%TZ) $*"; }
 # a checkpoint is complete once its index is written (synth writes it last)
 synthed() { [ -f "$1/model.safetensors.index.json" ]; }
@@ -359,22 +361,12 @@ if want detail; then
 fi
 
 if want attention_detail; then
-  stage "attention_detail: ncu's detailed sections for paged_attention in a 1-row decode step"
-  if ncu_report attention_detail.txt --set detailed -k regex:slotserve_paged_attention -c 2 \
-      $PY bench/gpu_profile.py "$LLAMA" --rows 1 --ctx "${ATTENTION_CTX:-128}"; then
+  stage "attention_detail: ncu's detailed sections for the attention in a 1-row decode step"
+  if ncu_report attention_detail.txt --set detailed -k regex:"$ATTENTION_KERNELS" -c 2 \
+      $PY bench/gpu_profile.py "$LLAMA" --rows 1 --ctx "$ATTENTION_CTX"; then
     grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall" \
       "$OUT/attention_detail.txt" | cut -c1-220 | head -60
   fi
-fi
-
-if want attention_sass; then
-  # where a long row's split attention waits: per-instruction stall samples of its SASS
-  stage "attention_sass: the split attention's SASS with stall samples, 1-row decode step"
-  ncu_report attention_sass.txt --section SourceCounters --section WarpStateStats \
-    --section SchedulerStats -k regex:slotserve_paged_attention_split -c 1 \
-    --page source --print-source sass $PY bench/gpu_profile.py "$LLAMA" --rows 1 \
-    --ctx "${ATTENTION_CTX:-1024}" &&
-  grep -E "Stall|stall|Warp Cycles|Eligible|Issued Warp" "$OUT/attention_sass.txt" | cut -c1-200 | head -40
 fi
 
 if want sass; then
@@ -383,9 +375,13 @@ if want sass; then
     --section InstructionStats -k regex:slotserve_q4_matmul_1_4_8_2 -c 1 \
     --page source --print-source sass $PY bench/gpu_profile.py "$LLAMA" --rows 1 &&
   ncu_report warp_states.txt --section WarpStateStats --section SchedulerStats \
-    --section InstructionStats -k regex:"slotserve_q4_matmul_1_4_8_2|slotserve_paged_attention" \
-    -c 2 $PY bench/gpu_profile.py "$LLAMA" --rows 1 &&
-  wc -l "$OUT/sass_q4.txt" "$OUT/warp_states.txt"
+    --section InstructionStats -k regex:slotserve_q4_matmul_1_4_8_2 \
+    -c 1 $PY bench/gpu_profile.py "$LLAMA" --rows 1 &&
+  ncu_report sass_attention.txt --section SourceCounters --section WarpStateStats \
+    --section SchedulerStats -k regex:"$ATTENTION_KERNELS" -c 1 \
+    --page source --print-source sass $PY bench/gpu_profile.py "$LLAMA" --rows 1 \
+    --ctx "$ATTENTION_CTX" &&
+  wc -l "$OUT/sass_q4.txt" "$OUT/warp_states.txt" "$OUT/sass_attention.txt"
 fi
 
 if want micro; then
