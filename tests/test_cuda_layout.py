@@ -12,6 +12,7 @@ import pytest
 
 from slotserve.kernels import cuda
 from slotserve.kernels.cuda import launch, sources
+from slotserve.model.layers import device_inputs
 
 
 def _codes(q: np.ndarray, k: int) -> np.ndarray:
@@ -124,3 +125,18 @@ def test_a_decode_rows_block_is_narrow_and_stages_its_s(group: int) -> None:
     assert (launch.attention_shared_bytes(128, True)
             == launch.attention_shared_bytes(128, False) + 16 * 132 * 4)
     assert not launch.attention_narrow(32, 1)  # 32 heads a row: two warps' mma rows
+
+
+def test_device_inputs_are_the_step_arrays_views_of_one_buffer() -> None:
+    """Batch.build hands the GPU kernels a step's int32 arrays as slices of one array (one
+    managed buffer faults in once): each slice has its part's shape and values, with parts
+    of every rank and an empty one among them."""
+    rng = np.random.default_rng(3)
+    parts = [rng.integers(-5, 1 << 20, size=shape).astype(dtype)
+             for shape, dtype in [((7,), np.int32), ((3, 8), np.int64), ((2, 5, 8), np.int32),
+                                  ((0,), np.int32), ((1,), np.int32)]]
+    got = device_inputs(parts)
+    assert len(got) == len(parts)
+    for a, p in zip(got, parts, strict=True):
+        assert a.dtype == mx.int32 and a.shape == p.shape
+        assert np.array_equal(np.array(a), p.astype(np.int32))

@@ -79,6 +79,24 @@ def attention_backend(dtype: mx.Dtype, head_dim: int) -> Backend:
     return Backend.MLX
 
 
+def device_inputs(parts: list[np.ndarray]) -> list[mx.array]:
+    """A step's int32 host arrays for the GPU kernels, as views of one MLX array.
+
+    MLX (CUDA) puts an array made from host data in managed memory, and the GPU's first
+    read of a page the host wrote stalls on a page fault: ~7-13 µs an array on the H200's
+    host (one tiny kernel per array, 6-12 arrays a step: 96 -> 81 and 259 -> 142 µs packed
+    against fresh arrays). A decode step reads six such arrays (positions, write rows,
+    block tables, row tables, row positions, tiles); one buffer faults in once. Slices of a
+    contiguous array are views in MLX: no copy, and the kernels read the same bytes.
+    """
+    host = mx.array(np.concatenate([p.astype(np.int32, copy=False).ravel() for p in parts]))
+    out, at = [], 0
+    for p in parts:
+        out.append(host[at : at + p.size].reshape(p.shape))
+        at += p.size
+    return out
+
+
 # ---- the row batch ----------------------------------------------------------------------
 
 @dataclass
@@ -160,26 +178,30 @@ class Batch:
             writes.append(kv.rows_for(start, start + length))
             row += length
         pos.extend([0] * (LINEAR_ROW_FLOOR - len(pos)))  # padding rows (discarded)
-        batch = Batch(segs, mx.array(pos, dtype=mx.int32))
+        positions = np.array(pos, dtype=np.int32)
+        pool = segs[0].kv.pool if segs else None
+        backend = (attention_backend(pool.dtype, pool.head_dim) if pool is not None
+                   else Backend.MLX)
         write_rows = np.concatenate(writes).astype(np.int32) if segs else None
-        if segs:
-            batch.pool = segs[0].kv.pool
-            batch.write_rows = mx.array(write_rows)
-        backend = (attention_backend(batch.pool.dtype, batch.pool.head_dim)
-                   if batch.pool is not None else Backend.MLX)
         tables = None
-        if backend is Backend.CPU:
-            batch.native = batch._row_tables()
-            batch.native.write_rows = write_rows
-            tables = batch.native.tables
-        elif backend is Backend.CUDA:
-            t = batch._row_tables()
-            tiles = attention_tiles([(s.row, s.length) for s in segs], batch.rows,
-                                    batch.padded_rows)
-            batch.cuda = (mx.array(t.tables), mx.array(t.row_table), mx.array(t.row_pos),
-                          mx.array(tiles, dtype=mx.int32))
+        if backend is Backend.CUDA:
+            assert pool is not None and write_rows is not None
+            t = Batch._tables_of(segs, positions, pool.num_kv_heads)
+            tiles = attention_tiles([(s.row, s.length) for s in segs], row, len(positions))
+            on_device = device_inputs([positions, write_rows, t.tables, t.row_table,
+                                       t.row_pos, np.array(tiles, dtype=np.int32)])
+            batch = Batch(segs, on_device[0], pool, on_device[1])
+            batch.cuda = (on_device[2], on_device[3], on_device[4], on_device[5])
             tables = t.tables
         else:
+            batch = Batch(segs, mx.array(positions), pool,
+                          None if write_rows is None else mx.array(write_rows))
+        if backend is Backend.CPU:
+            assert pool is not None
+            batch.native = Batch._tables_of(segs, positions, pool.num_kv_heads)
+            batch.native.write_rows = write_rows
+            tables = batch.native.tables
+        elif backend is Backend.MLX:
             batch._group()
         if batch.pool is not None and batch.pool.windowed:
             assert write_rows is not None
@@ -197,13 +219,15 @@ class Batch:
             return rewindow(t, heads, rows)
 
         w_rows = blocks(write_rows // BLOCK) * BLOCK + write_rows % BLOCK
-        view = replace(self, write_rows=mx.array(w_rows), views={}, window=None,
-                       decode_groups=[], prefill=[])
+        view = replace(self, views={}, window=None, decode_groups=[], prefill=[])
+        if self.cuda is not None and tables is not None:
+            view.write_rows, w_tables = device_inputs([w_rows, blocks(tables)])
+            view.cuda = (w_tables, *self.cuda[1:])
+            return view
+        view.write_rows = mx.array(w_rows)
         if self.native is not None and tables is not None:
             n = self.native
             view.native = RowTables(blocks(tables), n.row_table, n.row_pos, w_rows)
-        elif self.cuda is not None and tables is not None:
-            view.cuda = (mx.array(blocks(tables)), *self.cuda[1:])
         else:
             view._group(blocks)
         return view
@@ -213,16 +237,16 @@ class Batch:
         keeps every layer by page)."""
         return self if self.window is None else self.window
 
-    def _row_tables(self) -> RowTables:
-        spans = [span_for(s.start + s.length) // BLOCK for s in self.segments]
-        heads = self.segments[0].kv.pool.num_kv_heads
-        tables = np.zeros((len(self.segments), max(spans), heads), dtype=np.int32)
-        row_table = np.full(self.padded_rows, -1, dtype=np.int32)
-        for t, (seg, nb) in enumerate(zip(self.segments, spans, strict=True)):
+    @staticmethod
+    def _tables_of(segments: list[Segment], positions: np.ndarray, heads: int) -> RowTables:
+        """The kernels' row tables of a step's segments (positions: every row's, padded)."""
+        spans = [span_for(s.start + s.length) // BLOCK for s in segments]
+        tables = np.zeros((len(segments), max(spans), heads), dtype=np.int32)
+        row_table = np.full(len(positions), -1, dtype=np.int32)
+        for t, (seg, nb) in enumerate(zip(segments, spans, strict=True)):
             tables[t, :nb] = seg.kv.blocks(nb * BLOCK)
             row_table[seg.row : seg.row + seg.length] = t
-        row_pos = np.array(self.positions, dtype=np.int32)
-        return RowTables(tables, row_table, row_pos)
+        return RowTables(tables, row_table, positions)
 
     def _group(self, remap: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         """The MLX ops' decode groups and prefill tables (block indices through `remap`:
