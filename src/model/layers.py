@@ -85,8 +85,8 @@ def device_inputs(parts: list[np.ndarray]) -> list[mx.array]:
     MLX (CUDA) puts an array made from host data in managed memory, and the GPU's first
     read of a page the host wrote stalls on a page fault: ~7-13 µs an array on the H200's
     host (one tiny kernel per array, 6-12 arrays a step: 96 -> 81 and 259 -> 142 µs packed
-    against fresh arrays). A decode step reads six such arrays (positions, write rows,
-    block tables, row tables, row positions, tiles); one buffer faults in once. Slices of a
+    against fresh arrays). A decode step reads five such arrays (positions, write rows,
+    block tables, row tables, tiles); one buffer faults in once. Slices of a
     contiguous array are views in MLX: no copy, and the kernels read the same bytes.
     """
     host = mx.array(np.concatenate([p.astype(np.int32, copy=False).ravel() for p in parts]))
@@ -188,21 +188,22 @@ class Batch:
             assert pool is not None and write_rows is not None
             t = Batch._tables_of(segs, positions, pool.num_kv_heads)
             tiles = attention_tiles([(s.row, s.length) for s in segs], row, len(positions))
-            on_device = device_inputs([positions, write_rows, t.tables, t.row_table,
-                                       t.row_pos, np.array(tiles, dtype=np.int32)])
-            batch = Batch(segs, on_device[0], pool, on_device[1])
-            batch.cuda = (on_device[2], on_device[3], on_device[4], on_device[5])
+            # the row positions are the step's positions: one view serves both
+            pos_in, rows_in, tables_in, row_table_in, tiles_in = device_inputs(
+                [positions, write_rows, t.tables, t.row_table, np.array(tiles, np.int32)])
+            batch = Batch(segs, pos_in, pool, rows_in)
+            batch.cuda = (tables_in, row_table_in, pos_in, tiles_in)
             tables = t.tables
         else:
             batch = Batch(segs, mx.array(positions), pool,
                           None if write_rows is None else mx.array(write_rows))
-        if backend is Backend.CPU:
-            assert pool is not None
-            batch.native = Batch._tables_of(segs, positions, pool.num_kv_heads)
-            batch.native.write_rows = write_rows
-            tables = batch.native.tables
-        elif backend is Backend.MLX:
-            batch._group()
+            if backend is Backend.CPU:
+                assert pool is not None
+                batch.native = Batch._tables_of(segs, positions, pool.num_kv_heads)
+                batch.native.write_rows = write_rows
+                tables = batch.native.tables
+            else:
+                batch._group()
         if batch.pool is not None and batch.pool.windowed:
             assert write_rows is not None
             batch.window = batch._windowed(write_rows, tables)
