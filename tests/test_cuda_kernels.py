@@ -316,6 +316,37 @@ def test_long_rows_are_split_and_keep_their_bits(group: int, head_dim: int,
             assert mx.array_equal(whole[0], together[i]).item(), p
 
 
+@pytest.mark.parametrize("context", [4096, 16384, 32768])
+def test_long_context_prefill_rows_give_decode_rows_bits(context: int) -> None:
+    """Issue 18's long contexts at the kernel level (Llama-3's GQA 4, head dim 128): the
+    last rows of a prompt prefilled in ATTENTION_TILE tiles (a chunk that starts mid-block)
+    give each row the bits it gets alone, as a decode row, and beside
+    another slot's shorter rows; split into context / 1,024 splits, combined in order."""
+    hkv, group, d = 2, 4, 128
+    keys, values, kpool, vpool, tables = _paged_kv(2, hkv, context, d, 300, 310)
+    assert launch.attention_splits(tables.shape[1]) == context // (launch.SPLIT_BLOCKS * BLOCK)
+    q = mx.random.normal((context, hkv * group, d), key=mx.random.key(320)).astype(mx.bfloat16)
+    first, n = context - 45, 45  # the chunk: positions context - 45 .. context - 1
+    positions = [*range(first, first + n), 700, 3000]  # then two rows of the other slot
+    slots = [0] * n + [1, 1]
+    tiles = launch.attention_tiles([(0, n), (n, 1), (n + 1, 1)], len(positions),
+                                   len(positions))
+    pos = mx.array(positions, dtype=mx.int32)
+    slot = mx.array(slots, dtype=mx.int32)
+    scale = d**-0.5
+    prefill = cuda.paged_attention(q[pos], kpool, vpool, tables, slot, pos, scale,
+                                   tiles=mx.array(tiles, dtype=mx.int32))
+    for i in (0, 1, 15, 16, n - 2, n - 1, n, n + 1):
+        one = pos[i : i + 1]
+        decode = cuda.paged_attention(q[one], kpool, vpool, tables, slot[i : i + 1], one, scale)
+        assert mx.array_equal(decode[0], prefill[i]).item(), positions[i]
+    for i in (0, n - 1, n + 1):
+        p, s = positions[i], slots[i]
+        want = reference_attention(q[p : p + 1], keys[s], values[s], p, scale, None)
+        err = mx.abs(prefill[i].astype(mx.float32) - want[0]).max().item()
+        assert err < 3e-2, (p, err)
+
+
 @pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 64, None), (2, 128, 300)])
 def test_attention_sinks_match_reference_and_keep_split_bits(group: int, head_dim: int,
                                                               window: int | None) -> None:
