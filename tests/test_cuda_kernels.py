@@ -82,6 +82,26 @@ def _paged_kv(slots: int, hkv: int, cap: int, d: int, k_seed: int, v_seed: int
     return keys, values, kblocks.reshape(-1, d), vblocks.reshape(-1, d), tables
 
 
+def test_q4_matmul_norm_launches_of_two_widths_in_one_process() -> None:
+    """Two models of other hidden sizes in one process: the same NORM launch shape with a
+    narrow K, then a wide one whose shared memory passes 48 KB. MLX sets a compiled
+    kernel's shared-memory limit at its first launch, so each K must be its own kernel
+    (the wide one failed with cuGraphAddKernelNode: invalid argument when only the rows
+    were in its name)."""
+    m = 2
+    for k in (1024, 4096):  # the narrow width first
+        packed, _ = _q4(512, k, 8)
+        shape = launch.q4_shape(m, 512, norm=True)
+        assert shape.norm
+        if k == 4096:
+            assert launch.q4_shared_bytes(shape, launch.k_split(k // 128), m, k) > 48 * 1024
+        x = mx.random.normal((m, k), key=mx.random.key(k)).astype(mx.bfloat16)
+        w = (1.0 + 0.1 * mx.random.normal((k,), key=mx.random.key(k + 1))).astype(mx.bfloat16)
+        got = cuda.q4_matmul(x, *packed, norm=(w, 1e-5))
+        want = cuda.q4_matmul(cuda.rms_rows(x, w, 1e-5), *packed)
+        assert mx.array_equal(got, want).item(), k
+
+
 @pytest.mark.parametrize(("group", "head_dim", "window"),
                          [(4, 128, None), (2, 64, None), (3, 64, 100)])
 def test_paged_attention_matches_reference(group: int, head_dim: int, window: int | None) -> None:
