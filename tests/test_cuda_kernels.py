@@ -85,9 +85,9 @@ def _paged_kv(slots: int, hkv: int, cap: int, d: int, k_seed: int, v_seed: int
 def test_q4_matmul_norm_launches_of_two_widths_in_one_process() -> None:
     """Two models of other hidden sizes in one process: the same NORM launch shape with a
     narrow K, then a wide one whose shared memory passes 48 KB. MLX sets a compiled
-    kernel's shared-memory limit at its first launch, so each K must be its own kernel
-    (the wide one failed with cuGraphAddKernelNode: invalid argument when only the rows
-    were in its name)."""
+    kernel's shared-memory limit at its first launch, so each size must be its own kernel
+    (sources.kernel; the wide one failed with cuGraphAddKernelNode: invalid argument while
+    only the row count was in its name)."""
     m = 2
     for k in (1024, 4096):  # the narrow width first
         packed, _ = _q4(512, k, 8)

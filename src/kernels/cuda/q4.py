@@ -94,13 +94,7 @@ def run(x: mx.array, wp: mx.array, sp: mx.array, shape: Q4Shape, *,
         inputs=[x, wp, sp, x if residual is None else residual, nw],
         template=[("MT", shape.mt), ("NT", shape.nt), ("KSPLIT", ksplit),
                   ("STAGES", shape.stages), ("SWIGLU", shape.swiglu),
-                  ("RESID", residual is not None), ("NORM", shape.norm),
-                  # the rows and K in the name of a NORM launch: its shared memory holds the
-                  # m x K normalized rows, and MLX sets a compiled kernel's shared-memory
-                  # limit once, at its first launch (a larger launch of the same kernel
-                  # later fails: a process with two models of other hidden sizes)
-                  ("ROWS", m if shape.norm else 0), ("NORM_K", k if shape.norm else 0),
-                  ("EPS", eps_bits)],
+                  ("RESID", residual is not None), ("NORM", shape.norm), ("EPS", eps_bits)],
         grid=(n // (8 * shape.nt) * -(-m // (16 * shape.mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n // 2 if shape.swiglu else n)],

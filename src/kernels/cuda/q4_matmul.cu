@@ -21,8 +21,8 @@
 //   STAGES    cp.async ring depth per warp
 //   SWIGLU    column tiles come in (gate, up) pairs: y = silu(gate) * up
 //   RESID     y = product + res (res [M, N])
-//   NORM      x is RMS-normalized with nw and EPS in the prologue (ROWS and NORM_K: the
-//             row count and K, which set the launch's shared memory)
+//   NORM      x is RMS-normalized with nw and EPS in the prologue (the rows go in
+//             shared memory after the rings: the launch's size grows with M x K)
 
   const int M = x_shape[0];
   const int K = x_shape[1];

@@ -112,10 +112,22 @@ def source(name: str) -> tuple[str, str]:
 
 @cache
 def kernel(name: str, shared_memory: int = 0) -> Any:
-    """The kernel object; one per dynamic shared-memory size (MLX fixes it per object, and
-    every template instantiation of a kernel always asks for the same size)."""
+    """The kernel object; one per dynamic shared-memory size (MLX fixes it per object).
+
+    MLX compiles one kernel per source and template values, and sets its shared-memory
+    limit once, at its first launch: a later launch of the same compiled kernel asking for
+    more fails (cuGraphAddKernelNode: invalid argument). So a launch with dynamic shared
+    memory carries its size as one more template value (SMEM), and each size is a kernel
+    of its own (a NORM q4_matmul's grows with its rows and K)."""
     spec = KERNELS[name]
     body, header = source(name)
-    return mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=list(spec.inputs),
-                               output_names=list(spec.outputs), source=body, header=header,
-                               shared_memory=shared_memory)
+    fn = mx.fast.cuda_kernel(name=f"slotserve_{name}", input_names=list(spec.inputs),
+                             output_names=list(spec.outputs), source=body, header=header,
+                             shared_memory=shared_memory)
+    if not shared_memory:
+        return fn
+
+    def launch(*, template: list[tuple[str, Any]], **kwargs: Any) -> Any:
+        return fn(template=[*template, ("SMEM", shared_memory)], **kwargs)
+
+    return launch
