@@ -240,7 +240,8 @@ class Engine:
                 runner.compiled = None
         if lm.device == "gpu" if cfg.warm_up is None else cfg.warm_up:
             # compile the kernels (and decode traces) steps use now, not on live traffic
-            await self.mlx.run(lambda: warm_up(runner, lm.model, cfg.max_slots))
+            await self.mlx.run(lambda: warm_up(runner, lm.model, cfg.max_slots,
+                                                   cfg.prefill_budget))
         self.batcher = Batcher(runner, self.mlx, cfg.prefill_budget)
         for i in range(cfg.max_slots):
             self.slots.append(Slot(i, lm.model.new_kv(), self.batcher))

@@ -109,6 +109,18 @@ def test_q4_launch_shapes_cover_every_row_count(n: int) -> None:
                 assert shape.swiglu == (gate_up and shape.mt == 1)
 
 
+def test_q4_gemm_takes_wide_prefill_launches_that_fit_an_sm() -> None:
+    """q4_gemm runs launches of launch.GEMM_ROWS rows or more that fill GEMM_BLOCKS of its
+    128 x 128 blocks, whole 128-column blocks only; its shared memory fits an H100/H200 SM
+    (227 KiB a block)."""
+    assert not launch.q4_gemm(launch.GEMM_ROWS - 1, 28672)
+    assert launch.q4_gemm(launch.GEMM_ROWS, 28672)
+    assert not launch.q4_gemm(4096, 28672 + 16)  # not a multiple of 128
+    assert not launch.q4_gemm(launch.GEMM_ROWS, 128)  # too few blocks
+    assert launch.q4_gemm(128 * launch.GEMM_BLOCKS, 128)
+    assert launch.q4_gemm_shared_bytes() <= 227 * 1024
+
+
 def test_k_split_depends_on_k_alone() -> None:
     assert [launch.k_split(k // 128) for k in (128, 256, 384, 512, 640, 1024, 4096, 14336)] == [
         1, 2, 1, 4, 1, 8, 8, 8]

@@ -26,11 +26,17 @@ pytestmark = [
 
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-moe"])
+# (checkpoint, prefill budget): 2,048-token prefill steps run the 4-bit matmul's wide
+# launches (kernels.cuda.launch.q4_gemm: gate+up from 12 row blocks of 128), 48-token ones
+# never do
+@pytest.fixture(scope="module", params=[("tiny-llama", 48), ("tiny-moe", 48),
+                                        ("tiny-llama", 2048)],
+                ids=["tiny-llama", "tiny-moe", "tiny-llama-wide-prefill"])
 def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = Path(tmp_path_factory.mktemp(request.param))
-    synth(request.param, path, "mlx4")
-    h = EngineHarness(path, device="gpu", max_slots=8, max_queue=32, prefill_budget=48)
+    preset, budget = request.param
+    path = Path(tmp_path_factory.mktemp(preset))
+    synth(preset, path, "mlx4")
+    h = EngineHarness(path, device="gpu", max_slots=8, max_queue=32, prefill_budget=budget)
     yield h
     h.close()
 

@@ -7,7 +7,10 @@ process), and `CompiledDecode` traces each decode shape. Unwarmed, all of that l
 the first requests' steps (issue 18 measured a first 8-stream batch at 17.7 s against
 1.4 s warm). `warm_up` runs a few real steps through the runner at load instead, on KV
 of its own that it releases after: a prefill of several segments and one of more than a
-KV page, then decode steps at the row counts whose kernels differ (the fused-norm
+KV page, one as wide as the engine's prefill budget and longer than one attention split
+(its own launches: the 4-bit matmul's widest, and each row's attention in splits then
+combined, in prefill and in decode), then decode steps at the row counts whose kernels
+differ (the fused-norm
 launches of 1-4 rows, more rows, a batch of 8, and one row count in each of the 4-bit
 matmul's wider launch bands) until each is compiled, every step sampling with a mix of the
 sampler's knobs (greedy, top_p, top_k, min_p, penalties, bias, logprobs) so the device
@@ -26,6 +29,7 @@ from typing import Any
 import structlog
 
 from slotserve.kernels.attention import BLOCK
+from slotserve.kernels.cuda.launch import SPLIT_BLOCKS
 from slotserve.runtime.runner import ModelRunner, RowWork
 from slotserve.runtime.sampling import MAX_TOP_LOGPROBS, RowState, SamplingParams
 
@@ -43,10 +47,18 @@ KNOBS = (
 # of 17-32 rows and of more (launch.Q4_SHAPES), which a batch growing past 16 streams meets
 DECODE_ROWS = (1, 2, 3, 4, 5, 8, 24, 40)
 DECODE_STEPS = 3  # CompiledDecode traces a shape's second step in a row; the third replays
+# a prompt whose last rows attend past one split of key blocks (launch.attention_splits):
+# without it the first long prompt compiled the split launches live (4.3 s on an H100)
+LONG_PROMPT = SPLIT_BLOCKS * BLOCK + BLOCK // 2
 
 
-def warm_up(runner: ModelRunner, model: Any, max_rows: int) -> dict[str, Any]:
-    """Run the warm-up steps (on the MLX thread); returns what it ran, for the log."""
+def warm_up(runner: ModelRunner, model: Any, max_rows: int,
+            prefill_rows: int = 0) -> dict[str, Any]:
+    """Run the warm-up steps (on the MLX thread); returns what it ran, for the log.
+    prefill_rows (the engine's prefill budget; 0: none): then one prompt of that many tokens
+    or LONG_PROMPT, whichever is longer, prefilled in one step and decoded: the widest step
+    traffic makes (q4_gemm's launches, from launch.GEMM_ROWS rows on) and rows whose
+    attention is split, which the short prompts do not meet."""
     t0 = time.perf_counter()
     steps = 0
     vocab = model.config.vocab_size
@@ -55,6 +67,9 @@ def warm_up(runner: ModelRunner, model: Any, max_rows: int) -> dict[str, Any]:
     prompts = [[(7 * i + j) % vocab for j in range(5 + 3 * i)] for i in range(3)]
     prompts.append([(11 * j + 1) % vocab for j in range(BLOCK + 9)])
     steps += _run(runner, model, prompts, decode=1)
+    if prefill_rows:
+        long_prompt = [(5 * j + 3) % vocab for j in range(max(prefill_rows, LONG_PROMPT))]
+        steps += _run(runner, model, [long_prompt], decode=DECODE_STEPS)
     for rows in sorted({r for r in DECODE_ROWS if r <= max_rows} | {1}):
         steps += _run(runner, model, [[(3 * i + j) % vocab for j in range(4 + i)]
                                       for i in range(rows)], decode=DECODE_STEPS)

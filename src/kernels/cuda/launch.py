@@ -22,6 +22,12 @@ time per kernel with the caches flushed before each, as a step reads its weights
 * q4_matmul, SwiGLU in the epilogue for launches of one row tile, else the `swiglu` kernel
   after it: the epilogue costs a block of two row tiles 130 registers instead of 128 (nvcc
   13, sm_90a), half its occupancy.
+* q4_gemm (`q4_gemm`): launches of `GEMM_ROWS` rows or more whose columns fill
+  `GEMM_BLOCKS` blocks of 128 x 128 run q4_gemm instead of q4_matmul's tiles (the same
+  bits). Llama-3-8B shape, one engine on an H100 prefilling cold prompts in 1,024-token
+  steps, the two in turn: 1k prompt 119-121 -> 113 ms, 4k 477-478 -> 444 ms, 16k
+  2,300-2,334 -> 2,119-2,145 ms. Below GEMM_BLOCKS it loses (a micro-benchmark: 200 rows
+  of O, 64 blocks, 91 -> 119 µs).
 * q4_matmul, the residual add in the epilogue of every launch: no register cost (128), one
   launch and graph op fewer per projection (64 a step); engine sweeps with and without it
   were within noise of each other.
@@ -59,6 +65,9 @@ GLUE_THREADS = 256  # threads a block of the elementwise kernels (rope_write, sw
 ATTENTION_THREADS = 128  # threads a block of the attention kernels (4 warps)
 ATTENTION_TILE = 16  # rows of one prompt a paged_attention tile takes (paged_attention.cu)
 SPLIT_BLOCKS = 8  # key blocks (of 128) a split of a long row's attention takes
+GEMM_ROWS = 128  # q4_matmul launches of at least this many rows may run q4_gemm ...
+GEMM_BLOCKS = 96  # ... where they fill at least this many of its 128 x 128 blocks
+GEMM_STAGES = 2  # q4_gemm's cp.async ring (3 measured the same)
 SAMPLE_THREADS = 1024  # threads a block of sample_draw (one row); sample_draw.cuh's too
 
 
@@ -113,6 +122,19 @@ def q4_shared_bytes(shape: Q4Shape, ksplit: int, m: int, k: int) -> int:
     ring = ksplit * shape.stages * shape.nt * 36 * 16  # 32 weight + 4 scale uint4 a tile
     reduction = ksplit * shape.nt * 4 * 32 * 4
     return max(ring, reduction) + (m * k * 2 if shape.norm else 0)
+
+
+def q4_gemm(m: int, n: int) -> bool:
+    """Whether a q4_matmul of m rows and n columns runs q4_gemm (rule above; q4_gemm.cu
+    takes widths that are a multiple of 128)."""
+    return m >= GEMM_ROWS and n % 128 == 0 and -(-m // 128) * (n // 128) >= GEMM_BLOCKS
+
+
+def q4_gemm_shared_bytes() -> int:
+    """Dynamic shared memory of a q4_gemm launch: GEMM_STAGES stages of a 128-row x tile
+    (rows padded to 136) and 16 column tiles' weights and scales, then the K ranges'
+    running sums (64 floats a thread)."""
+    return GEMM_STAGES * (128 * 136 * 2 + 16 * 36 * 16) + 64 * 256 * 4
 
 
 def rms_threads(k: int) -> int:

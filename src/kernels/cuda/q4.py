@@ -4,7 +4,8 @@ MLX 0.32's CUDA 4-bit matmul reads weights at 90-530 GB/s of the H200's ~3 TB/s 
 decode row counts and changes kernels (and so a row's bits) at 8 rows. This one
 multiplies x by the raw 4-bit codes on the tensor cores (exact in bf16), scales each
 64-wide group's result in float32 and sums the K split's partials in warp order, so a
-row's bits never depend on the launch's row count.
+row's bits never depend on the launch's row count. Prefill row counts run q4_gemm.cu,
+which does the same operations in the same order in larger tiles.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     a launch of its own.
     """
     m, _ = x.shape
+    if launch.q4_gemm(m, wp.shape[0] * 8):  # prefill row counts: the same bits, faster
+        if norm is not None:
+            x = rms_rows(x, *norm)
+        y = gemm(x, wp, sp, residual=residual)
+        return swiglu(y, paired=True) if gate_up else y
     shape = launch.q4_shape(m, wp.shape[0] * 8, norm=norm is not None, gate_up=gate_up)
     if norm is not None and not shape.norm:
         x = rms_rows(x, *norm)
@@ -98,6 +104,25 @@ def run(x: mx.array, wp: mx.array, sp: mx.array, shape: Q4Shape, *,
         grid=(n // (8 * shape.nt) * -(-m // (16 * shape.mt)) * 32 * ksplit, 1, 1),
         threadgroup=(32 * ksplit, 1, 1),
         output_shapes=[(m, n // 2 if shape.swiglu else n)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return y
+
+
+def gemm(x: mx.array, wp: mx.array, sp: mx.array, *,
+         residual: mx.array | None = None) -> mx.array:
+    """One q4_gemm launch (q4_gemm.cu): the product q4_matmul's launches give, bit for bit,
+    in 128 x 128 block tiles; n % 128 == 0. residual: product + residual, as run()."""
+    m, k = x.shape
+    n = wp.shape[0] * 8
+    assert n % 128 == 0, "q4_gemm takes whole 128-column blocks"
+    (y,) = kernel("q4_gemm", launch.q4_gemm_shared_bytes())(
+        inputs=[x.astype(mx.bfloat16), wp, sp, x if residual is None else residual],
+        template=[("KSPLIT", launch.k_split(k // 128)), ("STAGES", launch.GEMM_STAGES),
+                  ("RESID", residual is not None)],
+        grid=(-(-m // 128) * (n // 128) * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(m, n)],
         output_dtypes=[mx.bfloat16],
     )
     return y

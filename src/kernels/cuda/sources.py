@@ -47,6 +47,8 @@ KERNELS: dict[str, KernelSource] = {
     "q4_matmul": KernelSource(("x", "wp", "sp", "res", "nw"), ("y",), "q4_matmul.cu",
                               ("cp_async.cuh", "mma.cuh", "norm_row.cuh",
                                "q4_matmul.cuh")),
+    "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu",
+                            ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh")),
     "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
     "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out",), "paged_attention.cu",
                                     _ATTENTION_HEADERS, query="paged_attention_query.cu",
