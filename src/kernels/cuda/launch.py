@@ -116,6 +116,13 @@ def q4_shape(m: int, n: int, *, norm: bool = False, gate_up: bool = False) -> Q4
                    swiglu=gate_up and one_tile)
 
 
+def q4_half(m: int, shape: Q4Shape) -> bool:
+    """Whether a q4_matmul launch of m rows skips the second half of each 16-row fragment
+    (q4_matmul.cu's HALF): one row tile of up to 8 rows, whose rows g + 8 are never real.
+    The padding rows' multiply-adds go; the real rows' sums are the same."""
+    return shape.mt == 1 and m <= 8
+
+
 def q4_shared_bytes(shape: Q4Shape, ksplit: int, m: int, k: int) -> int:
     """Dynamic shared memory of a q4_matmul launch: the rings or the K-split reduction
     (they share it), then with the norm in the launch the m normalized rows of x."""
