@@ -48,7 +48,11 @@ time per kernel with the caches flushed before each, as a step reads its weights
   (`attention_combine`): one 16k-context row was 8 blocks on the 132 SMs. Llama-3-8B shape,
   4-bit, one stream: decode at 4k context 128 -> 213 tok/s, at 16k 46 -> 158 tok/s; the
   prefill of one 16k prompt 6.70 -> 7.86 s (its rows are split too: prefill and decode must
-  give a position the same bits).
+  give a position the same bits). Splits of 4 blocks instead of 8 (H100, one engine run
+  each in one call, 2026-12-06): decode at a 1k context 246.9 -> 276.2 tok/s, at 16k
+  200.8 -> 228.3; prefill at 1k 9,679 -> 9,394 tok/s, at 16k 7,677 -> 7,365; a prefill
+  launch's partials twice the size (rows x splits). 8 stays until the GPU tests have run
+  at 4.
 * paged_attention, NARROW blocks (`attention_narrow`: mma rows that fit one warp's 16, a
   decode row's query heads): the four warps share each key block (S by keys, P V by
   dimension steps) instead of one warp doing it all; the 16k-context split launch 85.9 ->
