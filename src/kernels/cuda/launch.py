@@ -22,10 +22,6 @@ time per kernel with the caches flushed before each, as a step reads its weights
 * q4_matmul, SwiGLU in the epilogue for launches of one row tile, else the `swiglu` kernel
   after it: the epilogue costs a block of two row tiles 130 registers instead of 128 (nvcc
   13, sm_90a), half its occupancy.
-* q4_matmul, HALF (`q4_half`): launches of up to 8 rows in one row tile skip the
-  multiply-adds of each fragment's rows g + 8. With the codes multiplied as 128 + q (no
-  subtract per code pair, q4_matmul.cuh), a one-stream decode step at a 1k context went
-  243.9 -> 252.5 tok/s (H100, one engine run each way in the same call, the new one twice).
 * q4_gemm (`q4_gemm`): launches of `GEMM_ROWS` rows or more whose columns fill
   `GEMM_BLOCKS` blocks of 128 x 128 run q4_gemm instead of q4_matmul's tiles (the same
   bits). Llama-3-8B shape, one engine on an H100 prefilling cold prompts in 1,024-token
@@ -122,13 +118,6 @@ def q4_shape(m: int, n: int, *, norm: bool = False, gate_up: bool = False) -> Q4
     one_tile = shape.mt == 1
     return Q4Shape(shape.mt, nt, shape.stages, norm=norm and one_tile and m <= NORM_ROWS,
                    swiglu=gate_up and one_tile)
-
-
-def q4_half(m: int, shape: Q4Shape) -> bool:
-    """Whether a q4_matmul launch of m rows skips the second half of each 16-row fragment
-    (q4_matmul.cu's HALF): one row tile of up to 8 rows, whose rows g + 8 are never real.
-    The padding rows' multiply-adds go; the real rows' sums are the same."""
-    return shape.mt == 1 and m <= 8
 
 
 def q4_shared_bytes(shape: Q4Shape, ksplit: int, m: int, k: int) -> int:

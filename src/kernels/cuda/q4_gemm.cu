@@ -122,7 +122,7 @@
         row_sums(xa, xs0, xs1);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
-          group_mma<false>(acc[mt][nt], xa, bq[nt], sb0[nt], sb1[nt], xs0, xs1);
+          group_mma(acc[mt][nt], xa, bq[nt], sb0[nt], sb1[nt], xs0, xs1);
       }
     }
     if ((ch + 1) % per_range == 0) {  // the end of a K range: fold its partial into the sum

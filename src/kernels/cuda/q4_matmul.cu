@@ -23,8 +23,6 @@
 //   RESID     y = product + res (res [M, N])
 //   NORM      x is RMS-normalized with nw and EPS in the prologue (the rows go in
 //             shared memory after the rings: the launch's size grows with M x K)
-//   HALF      up to 8 rows in one row tile: each fragment's rows g + 8 are never real
-//             (group_mma skips their sums)
 
   const int M = x_shape[0];
   const int K = x_shape[1];
@@ -114,8 +112,7 @@
         for (int nt = 0; nt < NT; ++nt) {
           uint32_t bq[8];
           dequant8<MT == 1>(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
-          group_mma<HALF>(acc[mt][nt], xa, bq, sword(nt, 2 * par),
-                          sword(nt, 2 * par + 1), xs0, xs1);
+          group_mma(acc[mt][nt], xa, bq, sword(nt, 2 * par), sword(nt, 2 * par + 1), xs0, xs1);
         }
       }
     }

@@ -3,24 +3,28 @@
 // and one group's multiply-accumulate.
 
 
-// two 4-bit codes as two exact bf16 values 128 + q: q4_pack stores each word's codes
-// interleaved (nibbles c0 c2 c4 c6 c1 c3 c5 c7), so pair j = (c_2j, c_2j+1) sits at bits 4j
-// and 4j+16 and one shift and an and-or put each code in the mantissa of bf16 128.0. The
-// 128s are not subtracted here (a bf16x2 subtract per pair, 11 % of a one-row launch's
-// instructions under Nsight Compute): group_mma takes 128 * scale off the group's bias
-// instead. LEAN (launches of one row tile): the and-or written as one lop3 with 128 in a
-// register (from C the compiler makes two lop3s, each taking one of the two constants); the
-// same values, but a launch of two row tiles needs more registers for it than 128, half its
-// occupancy.
+// two 4-bit codes as two exact bf16 values: q4_pack stores each word's codes interleaved
+// (nibbles c0 c2 c4 c6 c1 c3 c5 c7), so pair j = (c_2j, c_2j+1) sits at bits 4j and 4j+16
+// and one shift, an and-or and one bf16x2 subtract dequantize both. LEAN (launches of one
+// row tile): the and-or written as one lop3 with 128 in a register (from C the compiler
+// makes two lop3s, each taking one of the two constants) and the 128s as a constant; the
+// same values, but a launch of two row tiles needs 134-142 registers for it instead of 128,
+// half its occupancy.
 template <bool LEAN>
 __device__ __forceinline__ uint32_t q4_pair(uint32_t w, int j) {
   uint32_t r;
+  __nv_bfloat162 h;
   if (LEAN) {
     asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(r) : "r"(w >> (4 * j)), "r"(0x43004300u));
+    constexpr uint32_t C128 = 0x43004300u;  // two bf16 128.0
+    h = *reinterpret_cast<__nv_bfloat162*>(&r);
+    h = __hsub2(h, *reinterpret_cast<const __nv_bfloat162*>(&C128));
   } else {
     r = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;  // 128 + q in bf16
+    h = *reinterpret_cast<__nv_bfloat162*>(&r);
+    h = __hsub2(h, __floats2bfloat162_rn(128.0f, 128.0f));
   }
-  return r;
+  return *reinterpret_cast<uint32_t*>(&h);
 }
 
 // the 16 codes of one 64-wide group this thread holds (two words) as mma B fragments:
@@ -115,25 +119,18 @@ __device__ __forceinline__ void row_sums(const uint32_t (*a)[4], float& xs0, flo
   xs1 = c[2];
 }
 
-// one 64-wide group of one 16-row x 8-column tile: the four mma steps on the codes as
-// 128 + q (q4_pair), then acc += scale * (x . (128 + q)) + (bias - 128 * scale) * sum(x)
-// for columns 2t, 2t+1 of rows g, g+8: scale * (x . q) + bias * sum(x), the 128s taken off
-// in float32 once per group and column (bias - 128 * scale is exact in float32 for bf16
-// scale and bias). sb0 / sb1: (scale, bias) bf16 pairs of columns 2t and 2t+1. HALF (launches
-// of up to 8 rows in one row tile): rows g + 8 are never real, and their sums are skipped.
-template <bool HALF>
+// one 64-wide group of one 16-row x 8-column tile: the four mma steps on the raw codes,
+// then acc += scale * (x . q) + bias * sum(x) for columns 2t, 2t+1 of rows g, g+8.
+// sb0 / sb1: (scale, bias) bf16 pairs of columns 2t and 2t+1.
 __device__ __forceinline__ void group_mma(float* a, const uint32_t (*x)[4], const uint32_t* bq,
                                           uint32_t sb0, uint32_t sb1, float xs0, float xs1) {
   float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int s = 0; s < 4; ++s)
     mma_bf16(tmp, x[s][0], x[s][1], x[s][2], x[s][3], bq[2 * s], bq[2 * s + 1]);
-  const float s0 = bf_lo(sb0), s1 = bf_lo(sb1);
-  const float b0 = __fmaf_rn(-128.0f, s0, bf_hi(sb0)), b1 = __fmaf_rn(-128.0f, s1, bf_hi(sb1));
+  const float s0 = bf_lo(sb0), b0 = bf_hi(sb0), s1 = bf_lo(sb1), b1 = bf_hi(sb1);
   a[0] = __fmaf_rn(s0, tmp[0], __fmaf_rn(b0, xs0, a[0]));
   a[1] = __fmaf_rn(s1, tmp[1], __fmaf_rn(b1, xs0, a[1]));
-  if (!HALF) {
-    a[2] = __fmaf_rn(s0, tmp[2], __fmaf_rn(b0, xs1, a[2]));
-    a[3] = __fmaf_rn(s1, tmp[3], __fmaf_rn(b1, xs1, a[3]));
-  }
+  a[2] = __fmaf_rn(s0, tmp[2], __fmaf_rn(b0, xs1, a[2]));
+  a[3] = __fmaf_rn(s1, tmp[3], __fmaf_rn(b1, xs1, a[3]));
 }
