@@ -66,22 +66,36 @@ def kernel_source(name: str, template: list[tuple[str, Any]]) -> str:
             + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n" + body + "\n}\n}\n")
 
 
-def registers(name: str, template: list[tuple[str, Any]], workdir: Path) -> str:
-    """'R registers, S bytes spilled' of one kernel form (nvcc's message when it fails)."""
+def counts(name: str, template: list[tuple[str, Any]], workdir: Path) -> tuple[int, int]:
+    """(registers, bytes spilled) of one kernel form; RuntimeError with nvcc's message when
+    it does not compile."""
     cu = workdir / "k.cu"
     cu.write_text(kernel_source(name, template), encoding="utf-8")
     run = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-o", str(workdir / "k.cubin"),
                           "-Xptxas", "-v", str(cu)], capture_output=True, text=True,
                          check=False)
     used = re.search(r"Used (\d+) registers", run.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", run.stderr)
     if used is None:
-        return "failed: " + run.stderr.strip()[-400:]
-    return f"{used.group(1)} registers, {spill.group(1) if spill else 0} bytes spilled"
+        raise RuntimeError(f"{name}: " + run.stderr.strip()[-400:])
+    spill = re.search(r"(\d+) bytes spill stores", run.stderr)
+    return int(used.group(1)), int(spill.group(1)) if spill else 0
+
+
+def nvcc_major() -> int | None:
+    """nvcc's CUDA major version, None without nvcc (MLX's wheels compile with CUDA 13's
+    NVRTC: another major version may count differently)."""
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    except FileNotFoundError:
+        return None
+    found = re.search(r"release (\d+)\.", out)
+    return int(found.group(1)) if found else None
 
 
 def cases() -> list[tuple[str, str, list[tuple[str, Any]]]]:
-    """(label, kernel, template) of the engine's launches on the Llama-3-8B widths."""
+    """(label, kernel, template) of the engine's launches on the Llama-3-8B widths (q4_matmul
+    labels end in the launch's Q4Shape)."""
     out = []
     k = 4096
     # (rows, columns, what the projection asks): QKV and gate+up take the norm, O and
@@ -124,7 +138,8 @@ def cases() -> list[tuple[str, str, list[tuple[str, Any]]]]:
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for label, name, template in cases():
-            print(f"{label}: {registers(name, template, Path(tmp))}", flush=True)
+            used, spilled = counts(name, template, Path(tmp))
+            print(f"{label}: {used} registers, {spilled} bytes spilled", flush=True)
     return 0
 
 

@@ -1,0 +1,53 @@
+"""The CUDA kernels' register counts where the launch rules depend on them, checked on the CPU
+with nvcc on MLX's source form (bench/cuda_registers.py); skipped without CUDA 13's nvcc."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from slotserve.kernels.cuda import launch
+
+_SPEC = importlib.util.spec_from_file_location(
+    "cuda_registers", Path(__file__).parent.parent / "bench" / "cuda_registers.py")
+assert _SPEC is not None and _SPEC.loader is not None
+cuda_registers = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(cuda_registers)
+
+pytestmark = pytest.mark.skipif(cuda_registers.nvcc_major() != 13,
+                                reason="needs nvcc from CUDA 13, as MLX's CUDA wheels compile")
+
+
+def _unique(kernel: str, wanted: str) -> list[tuple[str, list]]:
+    """The engine's launches of one kernel whose label holds `wanted`, one per template."""
+    seen: dict[str, tuple[str, list]] = {}
+    for label, name, template in cuda_registers.cases():
+        if name == kernel and wanted in label:
+            seen.setdefault(repr(template), (label, template))
+    return list(seen.values())
+
+
+def test_two_row_tile_q4_matmul_keeps_two_blocks_an_sm(tmp_path: Path) -> None:
+    """A q4_matmul block of two row tiles is 256 threads: at 128 registers two blocks fit an
+    SM's 64k, above it one, and its launch rules were measured with two (launch.py). A
+    subtract-free dequantization once took it to 134 with no test failing."""
+    launches = _unique("q4_matmul", "mt=2")
+    assert launches, "the engine has launches of two row tiles"
+    for label, template in launches:
+        used, spilled = cuda_registers.counts("q4_matmul", template, tmp_path)
+        assert used <= 128 and spilled == 0, (label, used, spilled)
+
+
+def test_q4_gemm_and_the_attention_launches_do_not_spill(tmp_path: Path) -> None:
+    """q4_gemm's loop holds 248 registers by design (its shapes are read opaquely so nvcc
+    keeps them); neither it nor the attention kernels may spill to local memory."""
+    launches = [("q4_gemm", t) for _, t in _unique("q4_gemm", "")]
+    launches += [(name, t) for _, name, t in cuda_registers.cases()
+                 if name.startswith(("paged_attention", "rope_attention"))]
+    assert len(launches) >= 2 + 4
+    for name, template in launches:
+        used, spilled = cuda_registers.counts(name, template, tmp_path)
+        assert used <= 255 and spilled == 0, (name, used, spilled)
+    assert launch.q4_gemm_shared_bytes() <= 227 * 1024
