@@ -74,13 +74,21 @@
     cp_async_commit();
   };
 
+  // f(mt, nt, c) for each element of this thread's accumulators, in order
+  auto each_element = [](auto&& f) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) f(mt, nt, c);
+  };
+  // an element's running sum of the finished K ranges, in shared memory
+  auto total = [&](int mt, int nt, int c) -> float& {
+    return totals[((mt * 4 + nt) * 4 + c) * 256 + threadIdx.x];
+  };
   float acc[4][4][4];
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[mt][nt][c] = 0.0f;
+  each_element([&](int mt, int nt, int c) { acc[mt][nt][c] = 0.0f; });
 
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) issue(i);
@@ -127,29 +135,18 @@
     }
     if ((ch + 1) % per_range == 0) {  // the end of a K range: fold its partial into the sum
       const bool first = ch + 1 == per_range;
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            float* at = totals + ((mt * 4 + nt) * 4 + c) * 256 + threadIdx.x;
-            *at = first ? acc[mt][nt][c] : *at + acc[mt][nt][c];
-            acc[mt][nt][c] = 0.0f;
-          }
+      each_element([&](int mt, int nt, int c) {
+        total(mt, nt, c) = first ? acc[mt][nt][c] : total(mt, nt, c) + acc[mt][nt][c];
+        acc[mt][nt][c] = 0.0f;
+      });
     }
   }
 
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = m0 + wm * 64 + mt * 16 + g + (c >= 2 ? 8 : 0);
-        const int col = (tile0 + wn * 4 + nt) * 8 + 2 * t + (c & 1);
-        if (row >= M) continue;
-        const size_t at = (size_t)row * N + col;
-        const __nv_bfloat16 v = __float2bfloat16(totals[((mt * 4 + nt) * 4 + c) * 256 + threadIdx.x]);
-        y[at] = RESID ? __float2bfloat16(__bfloat162float(v) + __bfloat162float(res[at])) : v;
-      }
+  each_element([&](int mt, int nt, int c) {
+    const int row = m0 + wm * 64 + mt * 16 + g + (c >= 2 ? 8 : 0);
+    const int col = (tile0 + wn * 4 + nt) * 8 + 2 * t + (c & 1);
+    if (row >= M) return;
+    const size_t at = (size_t)row * N + col;
+    const __nv_bfloat16 v = __float2bfloat16(total(mt, nt, c));
+    y[at] = RESID ? __float2bfloat16(__bfloat162float(v) + __bfloat162float(res[at])) : v;
+  });
