@@ -67,9 +67,10 @@ def warm_up(runner: ModelRunner, model: Any, max_rows: int,
     prompts = [[(7 * i + j) % vocab for j in range(5 + 3 * i)] for i in range(3)]
     prompts.append([(11 * j + 1) % vocab for j in range(BLOCK + 9)])
     steps += _run(runner, model, prompts, decode=1)
-    # (within the model's context: one too short for a split never meets those launches)
-    long_rows = min(max(prefill_rows, LONG_PROMPT), model.config.max_position - DECODE_STEPS)
     if prefill_rows:
+        # within the model's context: one too short for a split never meets those launches
+        long_rows = min(max(prefill_rows, LONG_PROMPT),
+                        model.config.max_position - DECODE_STEPS)
         long_prompt = [(5 * j + 3) % vocab for j in range(long_rows)]
         steps += _run(runner, model, [long_prompt], decode=DECODE_STEPS)
     for rows in sorted({r for r in DECODE_ROWS if r <= max_rows} | {1}):

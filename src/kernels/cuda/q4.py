@@ -70,16 +70,17 @@ def q4_matmul(x: mx.array, wp: mx.array, sp: mx.array, *, gate_up: bool = False,
     done inside the matmul's own launch where the launch shape allows (launch.py), else by
     a launch of its own.
     """
-    m, _ = x.shape
-    if launch.q4_gemm(m, wp.shape[0] * 8):  # prefill row counts: the same bits, faster
-        if norm is not None:
-            x = rms_rows(x, *norm)
-        y = gemm(x, wp, sp, residual=residual)
-        return swiglu(y, paired=True) if gate_up else y
-    shape = launch.q4_shape(m, wp.shape[0] * 8, norm=norm is not None, gate_up=gate_up)
+    m, n = x.shape[0], wp.shape[0] * 8
+    # prefill row counts run q4_gemm (the same bits, faster), which fuses neither
+    wide = launch.q4_gemm(m, n)
+    shape = launch.q4_shape(m, n, norm=norm is not None and not wide,
+                            gate_up=gate_up and not wide)
     if norm is not None and not shape.norm:
         x = rms_rows(x, *norm)
-    y = run(x, wp, sp, shape, residual=residual, norm=norm if shape.norm else None)
+    if wide:
+        y = gemm(x, wp, sp, residual=residual)
+    else:
+        y = run(x, wp, sp, shape, residual=residual, norm=norm if shape.norm else None)
     return swiglu(y, paired=True) if gate_up and not shape.swiglu else y
 
 
