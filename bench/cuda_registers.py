@@ -40,7 +40,7 @@ using Shape = cuda::std::array<int32_t, 10>;
 BF16, F32, I32, U32 = "__nv_bfloat16", "float", "int32_t", "uint32_t"
 DTYPES = {"wp": U32, "sp": U32, "tables": I32, "row_table": I32, "row_pos": I32,
           "tiles": I32, "write_rows": I32, "params": F32, "sinks": F32, "part": F32,
-          "partials": F32}
+          "partials": F32, "scratch": F32}
 
 
 def kernel_source(name: str, template: list[tuple[str, Any]]) -> str:
@@ -121,14 +121,16 @@ def cases() -> list[tuple[str, str, list[tuple[str, Any]]]]:
         out.append((f"q4_gemm resid={resid}", "q4_gemm",
                     [("KSPLIT", 8), ("STAGES", launch.GEMM_STAGES), ("RESID", resid),
                      ("SMEM", launch.q4_gemm_shared_bytes())]))
-    for name, tile in (("paged_attention", launch.ATTENTION_TILE),
-                       ("paged_attention_split", launch.ATTENTION_TILE),
-                       ("paged_attention_split", 1), ("rope_attention", 1)):
+    for name, tile, merge in (("paged_attention", launch.ATTENTION_TILE, False),
+                              ("paged_attention", launch.ATTENTION_TILE, True),
+                              ("paged_attention_split", launch.ATTENTION_TILE, False),
+                              ("paged_attention_split", 1, False), ("rope_attention", 1, False),
+                              ("rope_attention_split", 1, False)):
         smem = launch.attention_shared_bytes(128, launch.attention_narrow(4, tile))
-        out.append((f"{name} tile {tile}", name,
+        out.append((f"{name} tile {tile}{' merge' if merge else ''}", name,
                     [("T", BF16), ("G", 4), ("D", 128), ("WINDOW", 0), ("TILE", tile),
                      ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS), ("SINKS", False),
-                     ("SMEM", smem)]))
+                     ("MERGE", merge), ("SMEM", smem)]))
     out.append(("attention_combine", "attention_combine",
                 [("G", 4), ("D", 128), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
                  ("SINKS", False)]))

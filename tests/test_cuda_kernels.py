@@ -295,16 +295,25 @@ def test_paged_attention_tiles_keep_the_bits(group: int, head_dim: int, window: 
         assert mx.array_equal(alone[0], tiled[i]).item(), i
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(8, 2, 128), (9, 3, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "blocks"),
+                         [(8, 2, 128, 3), (9, 3, 64, 3),
+                          (8, 2, 128, 2 * launch.SPLIT_BLOCKS + 3),
+                          (4, 1, 64, launch.SPLIT_BLOCKS + 1)])
 def test_rope_attention_gives_rope_write_and_attentions_bits(heads: int, kv_heads: int,
-                                                             d: int) -> None:
-    cap = 3 * BLOCK
+                                                             d: int, blocks: int) -> None:
+    """A decode step's one launch (rope_attention: the rotation and the K/V write in the
+    attention launch, split or not) gives the bits and the pool writes of rope_write +
+    paged_attention. With three splits the rows' new positions sit in their first, second
+    and last split, so each split's block either owns the new K/V or never reads it."""
+    cap = blocks * BLOCK
     _, _, kflat, vflat, tables = _paged_kv(3, kv_heads, cap, d, 60, 70)
     rope = Rope(d, 10000.0, None, mx.bfloat16)
     rope.reserve(cap)
     # a decode step: one row per slot (at a block's first position, mid-block, the last
     # position), then a padding row; each row's K/V goes to its slot's row at its position
-    positions = [128, 200, cap - 1, 0]
+    split = launch.SPLIT_BLOCKS * BLOCK
+    positions = ([128, 200, cap - 1, 0] if blocks <= launch.SPLIT_BLOCKS
+                 else [split - 1, split + 130, cap - 1, 0])
     slots = [0, 1, 2, -1]
     writes = np.array([[int(tables[s, p // BLOCK, h]) * BLOCK + p % BLOCK
                         for h in range(kv_heads)]
@@ -313,8 +322,8 @@ def test_rope_attention_gives_rope_write_and_attentions_bits(heads: int, kv_head
     qkv = qkv.astype(mx.bfloat16)
     # the same rows as prefill rows (rope_write + paged_attention, two launches) and as the
     # decode step they are (one launch)
-    assert not launch.rope_in_attention(False, 1)
-    assert launch.rope_in_attention(True, 1)
+    assert not launch.rope_in_attention(False)
+    assert launch.rope_in_attention(True)
     outs, pools = [], []
     for one_row_per_slot in (False, True):
         kpool, vpool = mx.array(kflat), mx.array(vflat)
@@ -345,7 +354,7 @@ def test_long_rows_are_split_and_keep_their_bits(group: int, head_dim: int,
     keys, values, kpool, vpool, tables = _paged_kv(2, hkv, cap, d, 100, 110)
     assert launch.attention_splits(tables.shape[1]) == 3
     q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(120)).astype(mx.bfloat16)
-    split = launch.SPLIT_BLOCKS * BLOCK  # keys a split (1,024 at 8 blocks)
+    split = launch.SPLIT_BLOCKS * BLOCK  # keys a split (512 at 4 blocks)
     positions = [5, 127, split - 124, split - 1, split, split + 476, 2 * split - 1, 2 * split,
                  cap - 2, cap - 1]
     slots = [1, 0, 1, 0, 1, 1, 0, 1, 0, 1]
@@ -367,12 +376,57 @@ def test_long_rows_are_split_and_keep_their_bits(group: int, head_dim: int,
             assert mx.array_equal(whole[0], together[i]).item(), p
 
 
+@pytest.mark.parametrize(("group", "head_dim", "window", "sinks"),
+                         [(4, 128, None, False), (3, 64, 700, False), (1, 64, None, True),
+                          (8, 128, 300, True)])
+def test_merged_splits_give_the_split_launchs_bits(group: int, head_dim: int,
+                                                   window: int | None, sinks: bool) -> None:
+    """paged_attention's merge (each tile's block walks all its rows' keys and folds the
+    splits as it leaves them) against the split launch and its combine: the same bits for
+    prompt chunks in tiles that start mid-split, cross split edges and end past three
+    splits, beside a decode row and padding; with windows (early splits without a row's
+    keys) and sinks."""
+    from slotserve.kernels.attention import LOG2E
+
+    hkv, d = 2, head_dim
+    split = launch.SPLIT_BLOCKS * BLOCK
+    cap = 3 * split + 2 * BLOCK
+    keys, values, kpool, vpool, tables = _paged_kv(3, hkv, cap, d, 400, 410)
+    assert launch.attention_splits(tables.shape[1]) == 4
+    q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(420)).astype(mx.bfloat16)
+    segs = [(0, split - 20, 60), (1, 2 * split + 5, 1), (2, 0, 40), (0, cap - 33, 33)]
+    positions = [p for _, start, n in segs for p in range(start, start + n)]
+    slots = [s for s, _, n in segs for _ in range(n)]
+    rows = len(positions)
+    firsts = np.cumsum([0] + [n for _, _, n in segs[:-1]])
+    tiles = mx.array(launch.attention_tiles(
+        [(int(f), n) for f, (_, _, n) in zip(firsts, segs, strict=True)], rows, rows + 2),
+        dtype=mx.int32)
+    pos = mx.array([*positions, 0, 0], dtype=mx.int32)
+    slot = mx.array([*slots, -1, -1], dtype=mx.int32)
+    sink = mx.random.normal((hkv * group,), key=mx.random.key(430)) * 2.0 if sinks else None
+    sink_in = sink * LOG2E if sink is not None else None
+    scale = d**-0.5
+    split_launch = cuda.paged_attention(q[pos], kpool, vpool, tables, slot, pos, scale, window,
+                                        sink_in, tiles=tiles)
+    merged = cuda.paged_attention(q[pos], kpool, vpool, tables, slot, pos, scale, window,
+                                  sink_in, tiles=tiles, merge=True)
+    assert mx.array_equal(merged, split_launch).item()
+    assert not mx.any(merged[rows:]).item()  # padding rows: zeros
+    for i in (0, 19, 20, 59, 60, 61, rows - 1):
+        p, s = positions[i], slots[i]
+        want = reference_attention(q[p : p + 1], keys[s], values[s], p, scale, window, sink)
+        err = mx.abs(merged[i].astype(mx.float32) - want[0]).max().item()
+        assert err < 3e-2, (p, err)
+
+
 @pytest.mark.parametrize("context", [4096, 16384, 32768])
 def test_long_context_prefill_rows_give_decode_rows_bits(context: int) -> None:
     """Issue 18's long contexts at the kernel level (Llama-3's GQA 4, head dim 128): the
     last rows of a prompt prefilled in ATTENTION_TILE tiles (a chunk that starts mid-block)
     give each row the bits it gets alone, as a decode row, and beside
-    another slot's shorter rows; split into context / 1,024 splits, combined in order."""
+    another slot's shorter rows; in context / 512 splits, folded in order, in a block a split
+    or inside one block a tile (merge)."""
     hkv, group, d = 2, 4, 128
     keys, values, kpool, vpool, tables = _paged_kv(2, hkv, context, d, 300, 310)
     assert launch.attention_splits(tables.shape[1]) == context // (launch.SPLIT_BLOCKS * BLOCK)
@@ -387,6 +441,9 @@ def test_long_context_prefill_rows_give_decode_rows_bits(context: int) -> None:
     scale = d**-0.5
     prefill = cuda.paged_attention(q[pos], kpool, vpool, tables, slot, pos, scale,
                                    tiles=mx.array(tiles, dtype=mx.int32))
+    folded = cuda.paged_attention(q[pos], kpool, vpool, tables, slot, pos, scale,
+                                  tiles=mx.array(tiles, dtype=mx.int32), merge=True)
+    assert mx.array_equal(folded, prefill).item()  # splits folded in the block: same bits
     for i in (0, 1, 15, 16, n - 2, n - 1, n, n + 1):
         one = pos[i : i + 1]
         decode = cuda.paged_attention(q[one], kpool, vpool, tables, slot[i : i + 1], one, scale)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from slotserve.kernels import cuda
+from slotserve.kernels.attention import BLOCK
 from slotserve.kernels.cuda import launch, sources
-from slotserve.model.layers import device_inputs
+from slotserve.model.layers import Batch, device_inputs
 
 
 def _codes(q: np.ndarray, k: int) -> np.ndarray:
@@ -95,6 +96,32 @@ def test_attention_tiles_cut_each_segment_and_the_padding() -> None:
     tiles = launch.attention_tiles(segments, rows, rows + t + 1)
     assert tiles == [0, t, 2 * t, 2 * t + 3, 2 * t + 4, rows, rows + t]
     assert launch.attention_tiles([(0, 1), (1, 1)], 2, 2) == [0, 1]
+
+
+def test_attention_merge_takes_prefill_steps_whose_longest_walk_is_not_the_step() -> None:
+    """launch.attention_merge (splits folded in one block a tile) for a 1,024-row chunk at a
+    16k context (Llama-3's 8 kv heads); not for rows within one split, a short chunk at a
+    long context, or a decode row at 32k beside a short prompt: there one block's walk over
+    all its keys would be the step."""
+    b, t = BLOCK, launch.ATTENTION_TILE
+    chunk = [(15 * 1024 + t * (i + 1) - 1) // b + 1 for i in range(1024 // t)]
+    assert launch.attention_merge(chunk, 8)
+    assert not launch.attention_merge([launch.SPLIT_BLOCKS] * 500, 8)  # one split each
+    assert not launch.attention_merge(chunk[:8], 8)  # 128 rows
+    short = [(t * (i + 1) - 1) // b + 1 for i in range(64)]  # a 1,024-token prompt
+    assert not launch.attention_merge([*short, 32 * 1024 // b], 8)
+    assert not launch.attention_merge([], 8)
+
+
+def test_a_steps_tiles_walk_to_their_last_rows_key_block() -> None:
+    """Batch._tile_blocks: each tile of launch.attention_tiles' cut, up to its last row."""
+    class Seg:  # what _tile_blocks reads of a Segment
+        def __init__(self, start: int, length: int) -> None:
+            self.start, self.length = start, length
+
+    t = launch.ATTENTION_TILE
+    segs = [Seg(BLOCK - 2, t + 3), Seg(5 * BLOCK - 1, 1), Seg(0, t)]
+    assert Batch._tile_blocks(segs) == [2, 2, 5, 1]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("n", [48, 256, 1024, 4096, 6144, 14336, 16384, 28672, 65536, 128256])

@@ -158,3 +158,30 @@ def test_long_contexts_keep_their_bits(harness: EngineHarness) -> None:
     harness.call(lambda: engine.complete(prompts[1][:2200], **opts[1]))  # its prefix cached
     warm = harness.call(lambda: engine.complete(prompts[1], **opts[1]))
     assert warm.usage.reused_tokens >= 2048 and warm.token_ids == alone[1]
+
+
+def test_prefill_attention_forms_give_the_same_tokens(harness: EngineHarness) -> None:
+    """A long prompt's prefill steps with the attention splits folded in a block a tile and
+    in a block a split (ModelRunner.attention_merge pinned each way, then the launch rule):
+    the same tokens, and the same again resumed from its cached prefix (decode steps take
+    the split form)."""
+    engine = harness.engine
+    runner = engine.batcher.runner
+    vocab = engine.tokenizer.vocab_size
+    prompt = [(11 * j + 5) % (vocab - 200) + 100 for j in range(2300)]
+    got = []
+    try:
+        for merge in (True, False, None):
+            runner.attention_merge = merge
+            engine.drop_retained()
+            got.append(harness.call(lambda: engine.complete(prompt, **options(0))).token_ids)
+    finally:
+        runner.attention_merge = None
+    assert got[0] == got[1] == got[2]
+    runner.attention_merge = True
+    try:
+        warm = harness.call(lambda: engine.complete(prompt + got[0][:5], **options(0)))
+    finally:
+        runner.attention_merge = None
+    assert warm.usage.reused_tokens >= 2048
+    assert warm.token_ids[: len(got[0]) - 5] == got[0][5:]

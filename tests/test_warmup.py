@@ -11,7 +11,14 @@ from slotserve.kernels.attention import BLOCK
 from slotserve.kernels.cuda.launch import SPLIT_BLOCKS
 from slotserve.runtime.runner import ModelRunner, RowWork
 from slotserve.runtime.sampling import RowState, SamplingParams
-from slotserve.runtime.warmup import DECODE_ROWS, DECODE_STEPS, LONG_PROMPT, _run, warm_up
+from slotserve.runtime.warmup import (
+    CONTINUATION,
+    DECODE_ROWS,
+    DECODE_STEPS,
+    LONG_PROMPT,
+    _run,
+    warm_up,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,27 +69,31 @@ def test_warm_up_respects_the_slot_count(model: Any) -> None:
 
 def test_warm_up_prefills_a_prompt_as_wide_as_the_budget_and_past_a_split(model: Any) -> None:
     """The widest prefill step and rows whose attention is split have launches of their
-    own on a GPU (q4_gemm; the split attention and its combine, in prefill and decode): one
-    prompt of max(prefill_rows, LONG_PROMPT) tokens, prefilled in one step and decoded, its
-    KV released after."""
+    own on a GPU (q4_gemm; the attention's splits folded in a block a tile, a block a split
+    and its combine, the decode step's rope form): one prompt of max(prefill_rows,
+    LONG_PROMPT) tokens, prefilled in one step with the folding form pinned, a continuation
+    of CONTINUATION tokens in the launch rule's form, then decoded; its KV released after."""
     assert LONG_PROMPT > SPLIT_BLOCKS * BLOCK  # its last rows attend past one split
     runner = ModelRunner(model)
-    prefills: list[int] = []
+    prefills: list[tuple[int, bool | None]] = []
     step = runner.step
 
     def counting(work: list[RowWork]) -> Any:
-        prefills.append(max(len(w.tokens) for w in work))
+        prefills.append((max(len(w.tokens) for w in work), runner.attention_merge))
         return step(work)
 
     runner.step = counting  # type: ignore[method-assign]
     info = warm_up(runner, model, max_rows=1, prefill_rows=300)
-    assert info["steps"] == 2 + (1 + DECODE_STEPS) + (1 + DECODE_STEPS)
-    assert LONG_PROMPT in prefills
+    assert info["steps"] == 2 + (2 + DECODE_STEPS) + (1 + DECODE_STEPS)
+    at = prefills.index((LONG_PROMPT, True))
+    assert prefills[at + 1] == (CONTINUATION, None)
+    assert all(m is None for _, m in prefills[at + 1 :])
+    assert runner.attention_merge is None
     pool = model.kv_pool
     assert pool.free_count == pool.ids
     prefills.clear()
     warm_up(runner, model, max_rows=1, prefill_rows=LONG_PROMPT + 100)
-    assert LONG_PROMPT + 100 in prefills
+    assert (LONG_PROMPT + 100, True) in prefills
 
 
 def test_a_warm_up_step_of_many_rows_stays_within_top_logprobs(model: Any) -> None:

@@ -48,7 +48,7 @@ from slotserve.kernels.attention import (
     span_for,
 )
 from slotserve.kernels.cpu_attention import RopeTables, RowTables
-from slotserve.kernels.cuda.launch import attention_tiles
+from slotserve.kernels.cuda.launch import ATTENTION_TILE, attention_merge, attention_tiles
 from slotserve.model.kv import KVPool, SlotKV, rewindow
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -146,6 +146,9 @@ class Batch:
     native: RowTables | None = None  # set when the CPU attention kernel runs this step
     # GPU kernels: RowTables on device (tables, row_table, row_pos) and the attention tiles
     cuda: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
+    # the kernels fold long rows' attention splits in one block a tile (a prefill step's
+    # launch choice, launch.attention_merge; the same bits either way)
+    merge: bool = False
     # arrays whose evaluation performs K/V writes made in place (cuda.rope_write): a step
     # that asks for no logits must still evaluate them (see written())
     effects: list[mx.array] = field(default_factory=list)
@@ -159,10 +162,13 @@ class Batch:
     window: Batch | None = None
 
     @staticmethod
-    def build(parts: list[tuple[SlotKV, int, int]], reserve: bool = True) -> Batch:
+    def build(parts: list[tuple[SlotKV, int, int]], reserve: bool = True,
+              merge: bool | None = None) -> Batch:
         """Reserve KV pages for every segment and precompute all pool indices.
 
         reserve=False (a speculated step): never take pages; fail if a segment lacks them.
+        merge: the GPU kernels' attention form for a step with prompt rows (None: the launch
+        rule, launch.attention_merge; the warm-up pins it to compile both).
         """
         segs: list[Segment] = []
         pos: list[int] = []
@@ -193,6 +199,9 @@ class Batch:
                 [positions, write_rows, t.tables, t.row_table, np.array(tiles, np.int32)])
             batch = Batch(segs, pos_in, pool, rows_in)
             batch.cuda = (tables_in, row_table_in, pos_in, tiles_in)
+            batch.merge = not batch.one_row_per_slot and (
+                attention_merge(Batch._tile_blocks(segs), pool.num_kv_heads)
+                if merge is None else merge)
             tables = t.tables
         else:
             batch = Batch(segs, mx.array(positions), pool,
@@ -208,6 +217,13 @@ class Batch:
             assert write_rows is not None
             batch.window = batch._windowed(write_rows, tables)
         return batch
+
+    @staticmethod
+    def _tile_blocks(segs: list[Segment]) -> list[int]:
+        """The key blocks each attention tile's walk takes (its last row's position // BLOCK
+        + 1), tiles as launch.attention_tiles cuts the segments."""
+        return [(min(first + ATTENTION_TILE, s.start + s.length) - 1) // BLOCK + 1
+                for s in segs for first in range(s.start, s.start + s.length, ATTENTION_TILE)]
 
     def _windowed(self, write_rows: np.ndarray, tables: np.ndarray | None) -> Batch:
         """The window view (see `window`): the same step with its write rows and tables
@@ -909,7 +925,7 @@ class Attention(Layer):
                                   pool.keys[self.layer], pool.values[self.layer], tables,
                                   row_table, row_pos, self.scale, self.heads, self.kv_heads,
                                   self.head_dim, batch.one_row_per_slot, self.window,
-                                  sinks=self._cuda_sinks, tiles=tiles)
+                                  sinks=self._cuda_sinks, tiles=tiles, merge=batch.merge)
         batch.effects.append(out)
         return out
 
@@ -1030,8 +1046,8 @@ class SharedKVAttention(Attention):
             tables, row_table, row_pos, tiles = batch.cuda
             return cuda.paged_attention(Rope.apply(q, cos, sin), pool.keys[self.layer],
                                         pool.values[self.layer], tables, row_table, row_pos,
-                                        self.scale, self.window,
-                                        tiles=tiles).reshape(q.shape[0], -1)
+                                        self.scale, self.window, tiles=tiles,
+                                        merge=batch.merge).reshape(q.shape[0], -1)
         r = qkv.shape[0]
         rows = mx.concatenate([q.reshape(r, -1), k.reshape(r, -1), v.reshape(r, -1)], axis=1)
         return self._rope_attention(rows, batch)

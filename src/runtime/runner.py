@@ -86,6 +86,9 @@ class ModelRunner:
         self.compiled = CompiledDecode(model) if compiled else None
         self._spec: Speculation | None = None
         self.spec_rows = 0  # rows whose logits came from a speculation (stats, tests)
+        # the GPU attention's form for steps with prompt rows (Batch.build's merge; None:
+        # the launch rule): the warm-up pins it to compile both forms
+        self.attention_merge: bool | None = None
 
     def close(self) -> None:
         """Drop the queued speculation and the compiled traces (engine shutdown)."""
@@ -103,7 +106,7 @@ class ModelRunner:
         of the sampling parts' last rows, in order, and what the step must evaluate for its
         K/V writes (Batch.written)."""
         batch = Batch.build([(kv, start, length) for kv, start, length, _ in parts],
-                            reserve=reserve)
+                            reserve=reserve, merge=self.attention_merge)
         logit_rows: list[int] = []
         row = 0
         for _, _, length, sample in parts:

@@ -8,11 +8,12 @@ the first requests' steps (issue 18 measured a first 8-stream batch at 17.7 s ag
 1.4 s warm). `warm_up` runs a few real steps through the runner at load instead, on KV
 of its own that it releases after: a prefill of several segments and one of more than a
 KV page, one as wide as the engine's prefill budget and longer than one attention split
-(its own launches: the 4-bit matmul's widest, and each row's attention in splits then
-combined, in prefill and in decode), then decode steps at the row counts whose kernels
-differ (the fused-norm
-launches of 1-4 rows, more rows, a batch of 8, and one row count in each of the 4-bit
-matmul's wider launch bands) until each is compiled, every step sampling with a mix of the
+(its own launches: the 4-bit matmul's widest, and each row's attention in splits: folded
+in a block a tile, then a short continuation of it a block a split, then decode, the
+launch's rope form), then decode steps at the row counts whose kernels differ (the
+fused-norm launches of 1-4 rows, more rows, a batch of 8, and one row count in each of the
+4-bit matmul's wider launch bands) until each is compiled, every step sampling with a mix
+of the
 sampler's knobs (greedy, top_p, top_k, min_p, penalties, bias, logprobs) so the device
 sampler's kernels are compiled too.
 
@@ -29,7 +30,7 @@ from typing import Any
 import structlog
 
 from slotserve.kernels.attention import BLOCK
-from slotserve.kernels.cuda.launch import SPLIT_BLOCKS
+from slotserve.kernels.cuda.launch import ATTENTION_TILE, SPLIT_BLOCKS
 from slotserve.runtime.runner import ModelRunner, RowWork
 from slotserve.runtime.sampling import MAX_TOP_LOGPROBS, RowState, SamplingParams
 
@@ -50,6 +51,8 @@ DECODE_STEPS = 3  # CompiledDecode traces a shape's second step in a row; the th
 # a prompt whose last rows attend past one split of key blocks (launch.attention_splits):
 # without it the first long prompt compiled the split launches live (4.3 s on an H100)
 LONG_PROMPT = SPLIT_BLOCKS * BLOCK + BLOCK // 2
+# the long prompt's continuation: a prefill step of two attention tiles at its context
+CONTINUATION = 2 * ATTENTION_TILE + 1
 
 
 def warm_up(runner: ModelRunner, model: Any, max_rows: int,
@@ -70,9 +73,11 @@ def warm_up(runner: ModelRunner, model: Any, max_rows: int,
     if prefill_rows:
         # within the model's context: one too short for a split never meets those launches
         long_rows = min(max(prefill_rows, LONG_PROMPT),
-                        model.config.max_position - DECODE_STEPS)
+                        model.config.max_position - DECODE_STEPS - CONTINUATION)
         long_prompt = [(5 * j + 3) % vocab for j in range(long_rows)]
-        steps += _run(runner, model, [long_prompt], decode=DECODE_STEPS)
+        # the prompt's splits folded in a block a tile, its continuation's a block a split
+        steps += _run(runner, model, [long_prompt], decode=DECODE_STEPS, merge=True,
+                      continuation=CONTINUATION)
     for rows in sorted({r for r in DECODE_ROWS if r <= max_rows} | {1}):
         steps += _run(runner, model, [[(3 * i + j) % vocab for j in range(4 + i)]
                                       for i in range(rows)], decode=DECODE_STEPS)
@@ -83,21 +88,34 @@ def warm_up(runner: ModelRunner, model: Any, max_rows: int,
     return info
 
 
-def _run(runner: ModelRunner, model: Any, prompts: list[list[int]], decode: int) -> int:
-    """Prefill `prompts` in one step, then `decode` decode steps of all of them."""
+def _run(runner: ModelRunner, model: Any, prompts: list[list[int]], decode: int,
+         merge: bool | None = None, continuation: int = 0) -> int:
+    """Prefill `prompts` in one step (its attention form pinned to `merge`: see
+    ModelRunner.attention_merge), then `continuation` more tokens of each in one step of
+    the launch rule's form (none: no such step), then `decode` decode steps of all of them."""
     kvs = [model.new_kv() for _ in prompts]
     params = [KNOBS[i % len(KNOBS)] for i in range(len(prompts))]
     states = [RowState(p, prompt) for p, prompt in zip(params, prompts, strict=True)]
-    feed, start = prompts, [0] * len(prompts)
+    vocab = model.config.vocab_size
+    feeds = [prompts]
+    if continuation:
+        feeds.append([[(9 * j + 2) % vocab for j in range(continuation)] for _ in prompts])
+    start, feed = [0] * len(prompts), prompts
     try:
-        for step in range(1 + decode):
+        for step in range(len(feeds) + decode):
+            if step < len(feeds):
+                feed = feeds[step]
             work = [RowWork(i, kvs[i], start[i], feed[i], True, params[i], states[i],
                             states[i].num_generated, logprobs=step == 1,
                             top_logprobs=min(2 * i, MAX_TOP_LOGPROBS) if step == 1
                             else 0)
                     for i in range(len(prompts))]
-            out = runner.step(work)
-            feed = []
+            runner.attention_merge = merge if step == 0 else None
+            try:
+                out = runner.step(work)
+            finally:
+                runner.attention_merge = None
+            feed = []  # the next decode step feeds the tokens just sampled
             for i, w in enumerate(work):
                 token = out.sampled[w.slot_id].token
                 states[i].observe(token)
@@ -106,4 +124,4 @@ def _run(runner: ModelRunner, model: Any, prompts: list[list[int]], decode: int)
     finally:
         for kv in kvs:
             kv.release()
-    return 1 + decode
+    return len(feeds) + decode

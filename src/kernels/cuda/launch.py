@@ -36,19 +36,27 @@ time per kernel with the caches flushed before each, as a step reads its weights
   rows. Prefill tiles are `ATTENTION_TILE` consecutive rows of a prompt (Batch builds them),
   decode rows a tile each; a row's bits are the same in any tile (paged_attention.cu).
 * rope_attention, RoPE and the K/V write inside the attention launch where each slot has one
-  row (a decode step: each block then owns its kv head's new K/V) and the rows fit one
-  split, else `rope_write` + `paged_attention`: 267 -> 235 kernels in a 1-row step, the one
-  launch 14.8 µs against 13.3 + 9.2 for the two.
-* paged_attention, rows whose keys span more than `SPLIT_BLOCKS` key blocks (1,024 keys)
-  split into a block per (row, kv head, split), then combined in split order
-  (`attention_combine`): one 16k-context row was 8 blocks on the 132 SMs. Llama-3-8B shape,
-  4-bit, one stream: decode at 4k context 128 -> 213 tok/s, at 16k 46 -> 158 tok/s; the
-  prefill of one 16k prompt 6.70 -> 7.86 s (its rows are split too: prefill and decode must
-  give a position the same bits). Splits of 4 blocks instead of 8 (H100, one engine run
-  each in one call, 2026-12-06): decode at a 1k context 246.9 -> 276.2 tok/s, at 16k
-  200.8 -> 228.3; prefill at 1k 9,679 -> 9,394 tok/s, at 16k 7,677 -> 7,365; a prefill
-  launch's partials twice the size (rows x splits). 8 stays until the GPU tests have run
-  at 4.
+  row (a decode step: the block holding a row's new position, its row's or its split's,
+  owns its kv head's new K/V), else `rope_write` + `paged_attention`: 267 -> 235 kernels
+  in a 1-row step, the one launch 14.8 µs against 13.3 + 9.2 for the two. Split launches
+  took the two-launch form until 2026-12-06 (a launch fewer a layer at long contexts since).
+* paged_attention, a row's keys summed in splits of `SPLIT_BLOCKS` key blocks (512 keys),
+  folded in split order, whatever the launch: a row whose keys fit one split is one
+  block's walk (one 16k-context row was 8 blocks on the 132 SMs); a longer one a block per
+  (row, kv head, split), then folded (`attention_combine`): decode at 4k context 128 ->
+  213 tok/s, at 16k 46 -> 158 tok/s (Llama-3-8B shape, 4-bit, one stream, 8 blocks a
+  split). Splits of 4 blocks instead of 8 (H100, one engine run each in one call,
+  2026-12-06, prefill rows split too): decode at a 1k context 246.9 -> 276.2 tok/s, at
+  16k 200.8 -> 228.3; prefill at 1k 9,679 -> 9,394 tok/s, at 16k 7,677 -> 7,365, the
+  partials the prefill launches wrote twice the size (rows x splits).
+* paged_attention, `attention_merge`: a prefill step's long rows folded inside one block a
+  tile (MERGE: the block walks all of its rows' keys and folds each split as it leaves it)
+  where the step's longest walk is no longer than its whole work spread over
+  `MERGE_BLOCKS` blocks (two of the 227-register prefill blocks an SM, 132 SMs): no
+  partials written and read back (2.2 GB a 1,024-row launch at 128k context with 8 blocks
+  a split), each tile's queries staged once. A short chunk at a long context, or a decode
+  row beside a short prompt, keeps the split launch: one block's walk over all its keys
+  would be the step.
 * paged_attention, NARROW blocks (`attention_narrow`: mma rows that fit one warp's 16, a
   decode row's query heads): the four warps share each key block (S by keys, P V by
   dimension steps) instead of one warp doing it all; the 16k-context split launch 85.9 ->
@@ -68,7 +76,8 @@ NORM_ROWS = 4  # q4_matmul normalizes x in its prologue for launches of up to th
 GLUE_THREADS = 256  # threads a block of the elementwise kernels (rope_write, swiglu)
 ATTENTION_THREADS = 128  # threads a block of the attention kernels (4 warps)
 ATTENTION_TILE = 16  # rows of one prompt a paged_attention tile takes (paged_attention.cu)
-SPLIT_BLOCKS = 8  # key blocks (of 128) a split of a long row's attention takes
+SPLIT_BLOCKS = 4  # key blocks (of 128) a split of a long row's attention takes
+MERGE_BLOCKS = 264  # attention_merge: blocks a launch's work is spread over (2 an SM)
 GEMM_ROWS = 128  # q4_matmul launches of at least this many rows may run q4_gemm ...
 GEMM_BLOCKS = 96  # ... where they fill at least this many of its 128 x 128 blocks
 GEMM_STAGES = 2  # q4_gemm's cp.async ring (3 measured the same)
@@ -175,7 +184,18 @@ def attention_tiles(segments: list[tuple[int, int]], rows: int, padded_rows: int
     return starts + list(range(rows, padded_rows, ATTENTION_TILE))
 
 
-def rope_in_attention(one_row_per_slot: bool, splits: int) -> bool:
-    """Whether rope_attention is one launch: each block then owns its kv head's new K/V,
-    which needs one row a slot (a decode step), and the launch is not split."""
-    return one_row_per_slot and splits == 1
+def attention_merge(tile_blocks: list[int], kv_heads: int) -> bool:
+    """Whether a prefill step's attention folds its long rows' splits inside one block a
+    tile (paged_attention's merge) rather than a block a split: tile_blocks are the key
+    blocks each tile's walk takes (its last row's position // 128 + 1). Only where some
+    row spans more than one split, and the longest walk is within the step's work over
+    MERGE_BLOCKS blocks (rule above)."""
+    longest = max(tile_blocks, default=0)
+    return longest > SPLIT_BLOCKS and longest * MERGE_BLOCKS <= sum(tile_blocks) * kv_heads
+
+
+def rope_in_attention(one_row_per_slot: bool) -> bool:
+    """Whether rope_attention is one attention launch (split or not): each block holding a
+    row's new position then owns its kv head's new K/V, which needs one row a slot (a
+    decode step)."""
+    return one_row_per_slot

@@ -19,13 +19,15 @@
 // key (or before its window) leaves its sums as they are (alpha 1 or 0, p 0), so a row has
 // the same bits in any tile: alone (a decode step) or among its prompt's rows (prefill).
 //
-// Long rows are split (slotserve_paged_attention_split): a block per (tile part, kv head,
-// split) takes the key blocks of one split of SPLIT_BLOCKS blocks at fixed absolute
-// positions and writes its rows' running max, sum and P.V sums; attention_combine.cu then
-// combines a row's splits in split order. A row whose keys fit one split gets the bits of
-// the whole kernel (the combine multiplies its one split by exp2(0) = 1), and a longer row
-// is split in every launch it is in (decode or prefill), so its bits never depend on its
-// batch.
+// A row's keys are summed in splits of SPLIT_BLOCKS key blocks at fixed absolute positions,
+// folded in split order (split_fold.cuh), in every launch it is in (decode or prefill), so
+// its bits never depend on its batch. Where they are summed is the launch's choice
+// (launch.attention_merge): slotserve_paged_attention_split takes a block per (tile part,
+// kv head, split) and writes each split's running max, sum and P.V sums for
+// attention_combine.cu to fold (decode: a long row's keys spread over the SMs); a whole
+// kernel with MERGE walks all of its rows' keys and folds each split as its walk leaves it,
+// keeping the folded P.V sums in `scratch` (prefill: blocks enough already, and no
+// partials to write). A row whose keys fit one split gets its one split's bits either way.
 //
 // The kernels differ only where the wrapper (slotserve/kernels/cuda/sources.py)
 // substitutes, once when the source is read:
@@ -34,6 +36,9 @@
 //   line @PAD@    a padding tile: zeros (attention_whole_pad.cu), or nothing for a split
 //   line @OUT@    the result: the output rows (attention_whole_out.cu) or the split's
 //                 partial sums (attention_split_out.cu)
+//   line @FOLD@   where a MERGE block keeps its folded P.V sums: this thread's column of
+//                 its block's part of scratch (attention_fold_scratch.cu), or nowhere
+//                 (attention_fold_none.cu: kernels without MERGE)
 //   line @Q@      the query rows into qs: paged_attention_query.cu (read q) or
 //                 rope_attention_query.cu (rotate the row's fused QKV, write the new K/V
 //                 into the pool; tiles of one row)
@@ -41,7 +46,7 @@
 //                 rope_attention_patch_k.cu / _v.cu (patch the staged copy of the new
 //                 position from registers)
 // Template: T (pool dtype, bf16), G, D (head dim, a multiple of 16), WINDOW (sliding
-// window, 0: none), TILE, SPLIT_BLOCKS, SINKS (gpt-oss's attention sinks).
+// window, 0: none), TILE, SPLIT_BLOCKS, SINKS (gpt-oss's attention sinks), MERGE.
 
   const int HKV = tables_shape[2];
   const int nbmax = tables_shape[1];
@@ -129,6 +134,32 @@
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  // MERGE: the splits folded so far (split_fold.cuh); element (n, c) of this thread's P.V
+  // sums at fold_acc[(4n + c) * 128]
+  float m_fold[2] = {neg_inf(), neg_inf()}, l_fold[2] = {0.0f, 0.0f};
+@FOLD@
+  // fold the split just summed into m_fold, l_fold, fold_acc, and start the next at zero
+  auto fold_split = [&]() {
+    if (!active) return;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const SplitFold f = split_fold(m_fold[e], m_run[e]);
+      m_fold[e] = split_fold_max(f, m_fold[e]);
+      l_fold[e] = split_fold_sum(f, l_fold[e], l_run[e]);
+      m_run[e] = neg_inf();
+      l_run[e] = 0.0f;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        if (!f.skip && !(NARROW && (n >> 1) % 4 != warp))
+#pragma unroll
+          for (int c = 2 * e; c < 2 * e + 2; ++c) {
+            float& a = fold_acc[(4 * n + c) * 128];
+            a = f.take ? o[n][c] : split_fold_sum(f, a, o[n][c]);
+          }
+        o[n][2 * e] = o[n][2 * e + 1] = 0.0f;
+      }
+    }
+  };
   const uint32_t* q32 = reinterpret_cast<const uint32_t*>(&qs[mwarp * 16][0]);
   const uint32_t* k32 = reinterpret_cast<const uint32_t*>(ks);
   for (int jb = jb_first; jb <= jb_last; ++jb) {
@@ -239,5 +270,6 @@
     }
     __syncthreads();  // every warp is done with this block's V
     if (more) stage(vs, vpool, jb + 1, true); else cp_async_commit();
+    if (MERGE && more && jb % SPLIT_BLOCKS == SPLIT_BLOCKS - 1) fold_split();
   }
 @OUT@

@@ -1,8 +1,10 @@
-// paged_attention.cu's query for slotserve_rope_attention (substituted at its @Q@ line):
-// the query made from the row's fused QKV projection qkv [R, (HQ + 2 HKV) * D] with the
-// cos_t/sin_t rows of its position, and the new K/V of the block's kv head written into the
-// pool row write_rows [n <= R, HKV] gives. Only launched with one row a slot and a tile (a
-// decode step), so each block owns its kv head's new K/V and no block reads another's.
+// paged_attention.cu's query for slotserve_rope_attention and _split (substituted at its
+// @Q@ line): the query made from the row's fused QKV projection qkv [R, (HQ + 2 HKV) * D]
+// with the cos_t/sin_t rows of its position, and the new K/V of the block's kv head written
+// into the pool row write_rows [n <= R, HKV] gives. Only launched with one row a slot and a
+// tile (a decode step), so the block of each (row, kv head) holding the new position (the
+// whole kernel's, or the split's whose key blocks hold it) owns its new K/V, and no block
+// reads another's: a split before it never reads that position's key block.
 
   // q rotated and rounded as rope_write stores it (mma rows past the G heads: zeros);
   // thread d < D: dimension d of this kv head's new key (rotated) and value, written into
@@ -24,7 +26,7 @@
     qs[mr][d] = static_cast<T>(o1);
     qs[mr][d + D / 2] = static_cast<T>(o2);
   }
-  const bool writes = first < write_rows_shape[0];
+  const bool writes = first < write_rows_shape[0] && (split < 0 || split == p0 / (128 * SPLIT_BLOCKS));
   T newk = static_cast<T>(0.0f), newv = static_cast<T>(0.0f);
   if (tid < D) {
     const int d = tid % (D / 2);

@@ -37,11 +37,13 @@ class KernelSource:
 
 _ATTENTION_INPUTS = ("kpool", "vpool", "tables", "row_table", "row_pos", "tiles", "params",
                      "sinks")
-_ATTENTION_HEADERS = ("cp_async.cuh", "mma.cuh")
+_ATTENTION_HEADERS = ("cp_async.cuh", "mma.cuh", "split_fold.cuh")
 _WHOLE = (("@BLOCK@", "attention_whole_block.cu"), ("@PAD@", "attention_whole_pad.cu"),
           ("@OUT@", "attention_whole_out.cu"))
 _SPLIT = (("@BLOCK@", "attention_split_block.cu"), ("@PAD@", "attention_split_pad.cu"),
-          ("@OUT@", "attention_split_out.cu"))
+          ("@OUT@", "attention_split_out.cu"), ("@FOLD@", "attention_fold_none.cu"))
+_ROPE: dict[str, Any] = {"query": "rope_attention_query.cu",
+         "patch": ("rope_attention_patch_k.cu", "rope_attention_patch_v.cu")}
 
 KERNELS: dict[str, KernelSource] = {
     "q4_matmul": KernelSource(("x", "wp", "sp", "res", "nw"), ("y",), "q4_matmul.cu",
@@ -50,19 +52,22 @@ KERNELS: dict[str, KernelSource] = {
     "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu",
                             ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh")),
     "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
-    "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out",), "paged_attention.cu",
-                                    _ATTENTION_HEADERS, query="paged_attention_query.cu",
-                                    fragments=_WHOLE),
+    "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out", "scratch"),
+                                    "paged_attention.cu", _ATTENTION_HEADERS,
+                                    query="paged_attention_query.cu",
+                                    fragments=(*_WHOLE, ("@FOLD@", "attention_fold_scratch.cu"))),
     "paged_attention_split": KernelSource(("q", *_ATTENTION_INPUTS), ("partials",),
                                           "paged_attention.cu", _ATTENTION_HEADERS,
                                           query="paged_attention_query.cu", fragments=_SPLIT),
     "attention_combine": KernelSource(("part", "row_table", "row_pos", "sinks"), ("out",),
-                                      "attention_combine.cu"),
+                                      "attention_combine.cu", ("split_fold.cuh",)),
     "rope_attention": KernelSource(("qkv", *_ATTENTION_INPUTS, "cos_t", "sin_t", "write_rows"),
                                    ("out",), "paged_attention.cu", _ATTENTION_HEADERS,
-                                   query="rope_attention_query.cu",
-                                   patch=("rope_attention_patch_k.cu",
-                                          "rope_attention_patch_v.cu"), fragments=_WHOLE),
+                                   **_ROPE,
+                                   fragments=(*_WHOLE, ("@FOLD@", "attention_fold_none.cu"))),
+    "rope_attention_split": KernelSource(("qkv", *_ATTENTION_INPUTS, "cos_t", "sin_t",
+                                          "write_rows"), ("partials",), "paged_attention.cu",
+                                         _ATTENTION_HEADERS, **_ROPE, fragments=_SPLIT),
     "rope_write": KernelSource(("qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool",
                                 "vpool"), ("q",), "rope_write.cu"),
     "swiglu": KernelSource(("gate_up",), ("out",), "swiglu.cu"),
