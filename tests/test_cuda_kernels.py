@@ -585,3 +585,34 @@ def test_sample_draw_agrees_with_the_host_sampler_on_peaked_rows() -> None:
         host = sample_rows(mx.array(z), params, states, [pos] * n).tokens
         dev = sample_rows(mx.array(z), params, states, [pos] * n, on_device=True).tokens
         assert dev == host, pos
+
+
+def test_partials_past_the_cap_fold_in_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch.split_partials_fit: with the cap at 0 every split launch folds in the block
+    instead (a decode step's rope in rope_write's launch): the same bits, the same K/V."""
+    heads, kv_heads, d = 8, 2, 64
+    cap = (2 * launch.SPLIT_BLOCKS + 1) * BLOCK
+    _, _, kflat, vflat, tables = _paged_kv(2, kv_heads, cap, d, 500, 510)
+    rope = Rope(d, 10000.0, None, mx.bfloat16)
+    rope.reserve(cap)
+    positions, slots = [cap - 1, launch.SPLIT_BLOCKS * BLOCK + 3], [0, 1]
+    writes = np.array([[int(tables[s, p // BLOCK, h]) * BLOCK + p % BLOCK
+                        for h in range(kv_heads)]
+                       for s, p in zip(slots, positions, strict=True)], dtype=np.int32)
+    qkv = mx.random.normal((2, (heads + 2 * kv_heads) * d), key=mx.random.key(520))
+    qkv = qkv.astype(mx.bfloat16)
+    got = []
+    for partials_cap in (launch.PARTIALS_CAP, 0):
+        monkeypatch.setattr(launch, "PARTIALS_CAP", partials_cap)
+        assert launch.split_partials_fit(2, kv_heads, 3, heads // kv_heads, d) == (
+            partials_cap > 0)
+        kpool, vpool = mx.array(kflat), mx.array(vflat)
+        mx.eval(kpool, vpool)
+        out = cuda.rope_attention(qkv, rope.cos, rope.sin, mx.array(writes), kpool, vpool,
+                                  tables, mx.array(slots, dtype=mx.int32),
+                                  mx.array(positions, dtype=mx.int32), d**-0.5, heads,
+                                  kv_heads, d, one_row_per_slot=True)
+        mx.eval(out)
+        got.append((out, kpool, vpool))
+    for a, b in zip(got[0], got[1], strict=True):
+        assert mx.array_equal(a, b).item()

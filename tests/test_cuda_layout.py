@@ -113,6 +113,13 @@ def test_attention_merge_takes_prefill_steps_whose_longest_walk_is_not_the_step(
     assert not launch.attention_merge([], 8)
 
 
+def test_split_partials_fit_the_cap() -> None:
+    """A decode step of 128 rows beside one at 128k (256 splits of 512 keys), Llama-3's
+    shape: 545 MB of partials, past the cap; the same rows at 16k fit."""
+    assert not launch.split_partials_fit(128, 8, 128 * 1024 // 512, 4, 128)
+    assert launch.split_partials_fit(128, 8, 16 * 1024 // 512, 4, 128)
+
+
 def test_a_steps_tiles_walk_to_their_last_rows_key_block() -> None:
     """Batch._tile_blocks: each tile of launch.attention_tiles' cut, up to its last row."""
     class Seg:  # what _tile_blocks reads of a Segment

@@ -90,7 +90,7 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     template = [("T", kpool.dtype), ("G", group), ("D", d), ("WINDOW", window or 0),
                 ("TILE", tile), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS), ("SINKS", has_sinks)]
     shared = launch.attention_shared_bytes(d, launch.attention_narrow(group, tile))
-    if splits == 1 or merge:
+    if splits == 1 or merge or not launch.split_partials_fit(r, hkv, splits, group, d):
         folds = splits > 1
         # a folding block's P.V sums: D / 2 floats a thread (attention_fold_scratch.cu)
         scratch = blocks * (d // 2) * ATTENTION_THREADS if folds else 1
@@ -136,14 +136,16 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
     launch does it: the block holding a row's new position (the row's, or its split's)
     owns its kv head's new K/V, so it rotates q and k itself, writes K/V and patches its
     staged copy of them; every block rotates q, and none reads another's new keys (a split
-    launch's partials then combined, as paged_attention's). Otherwise rope_write and
-    paged_attention. The same bits either way (the same rotation, rounded to bf16 as
-    rope_write stores it).
+    launch's partials then combined, as paged_attention's). Otherwise, or where a split
+    launch's partials would pass launch.PARTIALS_CAP, rope_write and paged_attention. The
+    same bits either way (the same rotation, rounded to bf16 as rope_write stores it).
     """
     r = qkv.shape[0]
     if qkv.dtype != kpool.dtype:  # a float32 model (e.g. a GGUF read as f32) on a bf16 pool
         qkv = qkv.astype(kpool.dtype)
-    if not launch.rope_in_attention(one_row_per_slot):
+    splits = launch.attention_splits(tables.shape[1])
+    if not launch.rope_in_attention(one_row_per_slot) or not launch.split_partials_fit(
+            r, kv_heads, splits, heads // kv_heads, head_dim):
         q = rope_write(qkv, cos, sin, row_pos, write_rows, kpool, vpool, heads, kv_heads,
                        head_dim)
         return paged_attention(q, kpool, vpool, tables, row_table, row_pos, scale, window,
@@ -154,7 +156,6 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
     tiles, tile = _tiles(None, r)  # a decode step's rows: a tile each
     sink_input, has_sinks = _sinks(sinks)
     shared = launch.attention_shared_bytes(head_dim, launch.attention_narrow(group, tile))
-    splits = launch.attention_splits(tables.shape[1])
     blocks = r * _blocks_a_tile(group, tile) * kv_heads
     inputs = [qkv, kpool, vpool, tables, row_table, row_pos, tiles, _attention_params(scale),
               sink_input, cos, sin, write_rows]

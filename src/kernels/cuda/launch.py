@@ -57,6 +57,13 @@ time per kernel with the caches flushed before each, as a step reads its weights
   a split), each tile's queries staged once. A short chunk at a long context, or a decode
   row beside a short prompt, keeps the split launch: one block's walk over all its keys
   would be the step.
+* paged_attention, `split_partials_fit`: a split launch's partials are rows x the widest
+  row's splits (a launch-wide shape, as the compiled decode steps need), so one long row
+  among many short ones makes them large: a 1,024-row prefill chunk beside a 128k-context
+  decode row, Llama-3-8B shape, would be 4.4 GB. Above `PARTIALS_CAP` the launch folds in
+  the block instead (merge; a decode step's rope then takes rope_write's launch): slower
+  for that row, whose one block walks all its keys, but bounded memory (scratch of 32 KB
+  a block).
 * paged_attention, NARROW blocks (`attention_narrow`: mma rows that fit one warp's 16, a
   decode row's query heads): the four warps share each key block (S by keys, P V by
   dimension steps) instead of one warp doing it all; the 16k-context split launch 85.9 ->
@@ -78,6 +85,7 @@ ATTENTION_THREADS = 128  # threads a block of the attention kernels (4 warps)
 ATTENTION_TILE = 16  # rows of one prompt a paged_attention tile takes (paged_attention.cu)
 SPLIT_BLOCKS = 4  # key blocks (of 128) a split of a long row's attention takes
 MERGE_BLOCKS = 264  # attention_merge: blocks a launch's work is spread over (2 an SM)
+PARTIALS_CAP = 256 << 20  # bytes of a split launch's partials, at most (split_partials_fit)
 GEMM_ROWS = 128  # q4_matmul launches of at least this many rows may run q4_gemm ...
 GEMM_BLOCKS = 96  # ... where they fill at least this many of its 128 x 128 blocks
 GEMM_STAGES = 2  # q4_gemm's cp.async ring (3 measured the same)
@@ -192,6 +200,13 @@ def attention_merge(tile_blocks: list[int], kv_heads: int) -> bool:
     MERGE_BLOCKS blocks (rule above)."""
     longest = max(tile_blocks, default=0)
     return longest > SPLIT_BLOCKS and longest * MERGE_BLOCKS <= sum(tile_blocks) * kv_heads
+
+
+def split_partials_fit(rows: int, kv_heads: int, splits: int, group: int, head_dim: int
+                       ) -> bool:
+    """Whether a split launch's partials (float32 [rows, kv_heads, splits, group, head_dim +
+    2]) stay within PARTIALS_CAP; else the launch folds in the block (rule above)."""
+    return rows * kv_heads * splits * group * (head_dim + 2) * 4 <= PARTIALS_CAP
 
 
 def rope_in_attention(one_row_per_slot: bool) -> bool:
