@@ -313,7 +313,7 @@ def test_rope_attention_gives_rope_write_and_attentions_bits(heads: int, kv_head
     # position), then a padding row; each row's K/V goes to its slot's row at its position
     split = launch.SPLIT_BLOCKS * BLOCK
     positions = ([128, 200, cap - 1, 0] if blocks <= launch.SPLIT_BLOCKS
-                 else [split - 1, split + 130, cap - 1, 0])
+                 else [split - 1, min(split + 130, cap - 2), cap - 1, 0])
     slots = [0, 1, 2, -1]
     writes = np.array([[int(tables[s, p // BLOCK, h]) * BLOCK + p % BLOCK
                         for h in range(kv_heads)]

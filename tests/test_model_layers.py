@@ -93,9 +93,10 @@ def test_cuda_attention_gets_the_qkv_rows_with_normed_heads(
     seen: dict[str, Any] = {}
 
     def recorder(qkv: mx.array, cos: mx.array, sin: mx.array, *args: Any,
-                 sinks: mx.array | None = None, tiles: mx.array | None = None) -> mx.array:
+                 sinks: mx.array | None = None, tiles: mx.array | None = None,
+                 merge: bool = False) -> mx.array:
         seen.update(qkv=qkv, cos=cos, window=args[-1], one_row=args[-2], sinks=sinks,
-                    tiles=tiles)
+                    tiles=tiles, merge=merge)
         return mx.zeros((qkv.shape[0], 64), mx.bfloat16)
 
     monkeypatch.setattr(cuda, "rope_attention", recorder)
@@ -112,6 +113,7 @@ def test_cuda_attention_gets_the_qkv_rows_with_normed_heads(
     assert seen["cos"] is rope.cos and rope.size > 3 and seen["window"] is None
     assert seen["sinks"] is None  # qwen3 has no attention sinks
     assert seen["tiles"].tolist() == [0]  # the 3-row prompt is one tile
+    assert seen["merge"] is False  # within one attention split: nothing to fold
     assert not seen["one_row"] and len(batch.effects) == 1  # its K/V writes are evaluated
 
 
