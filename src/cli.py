@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache budget, bytes or with a unit (e.g. 2GiB, 512MiB); default: "
                    "on a GPU the device memory left after the weights less 10%% (at least "
                    "4 GiB), on the CPU 30%% of RAM (at most 16 GiB)")
-    s.add_argument("--prefill-budget", type=int, default=256)
+    s.add_argument("--prefill-budget", type=int, default=None,
+                   help="prompt tokens per engine tick (default: 256 on a CPU, 1,024 on a GPU)")
     s.add_argument("--kv-reserve-tokens", type=int, default=None,
                    help="KV promised to a request beyond its prompt when it starts (default "
                         "256 tokens); it grows page by page after that, preempting the "

@@ -13,7 +13,12 @@ import pytest
 from engine_harness import PROMPTS, EngineHarness, preempted_like_alone
 
 from slotserve.actors.kv_cache import Chain, KVCache
-from slotserve.engine import Completion, default_kv_budget, gpu_cache_limit
+from slotserve.engine import (
+    Completion,
+    default_kv_budget,
+    default_prefill_budget,
+    gpu_cache_limit,
+)
 from slotserve.kernels.attention import BLOCK
 from slotserve.model.kv import KVPool, SlotKV
 
@@ -271,6 +276,16 @@ def test_the_default_budget_is_sized_by_the_device() -> None:
     # MLX's cache of freed buffers is held to half of what the budget leaves free
     assert gpu_cache_limit(h200) == int(14.1 * gib) // 2
     assert gpu_cache_limit(small) == 2 * gib
+
+
+def test_the_default_prefill_budget_is_sized_by_the_device(one_slot: EngineHarness) -> None:
+    """256 tokens a tick on a CPU, 1,024 on a GPU (engine.default_prefill_budget); an engine
+    given none (this harness) gets its device's."""
+    assert default_prefill_budget("cpu") == 256
+    assert default_prefill_budget("gpu") == 1024
+    engine = one_slot.engine
+    want = default_prefill_budget(engine.loaded.device)
+    assert engine.config.prefill_budget == want == engine.batcher.prefill_budget
 
 
 def test_a_page_copy_writes_in_place() -> None:

@@ -137,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = EngineConfig(model=args.model, device=getattr(args, "device", "auto"),
                        max_slots=args.max_slots, max_queue=args.max_queue,
                        kv_budget_bytes=settings.parse_bytes(getattr(args, "kv_budget", None)),
-                       prefill_budget=getattr(args, "prefill_budget", 256),
+                       prefill_budget=getattr(args, "prefill_budget", None),
                        kv_reserve_tokens=getattr(args, "kv_reserve_tokens", None),
                        state_snapshot_pages=getattr(args, "state_snapshot_pages",
                                                     state_snapshots.DEFAULT_INTERVAL),

@@ -331,6 +331,7 @@ def main(args: argparse.Namespace) -> int:
                         print(json.dumps(r), flush=True)  # noqa: T201 - progress for the user
                 if long_cases:  # warm-up: two prefill chunks (a full one's shapes compiled)
                     budget = engine.config.prefill_budget
+                    assert budget is not None  # (the device's default, set at load)
                     await run_streams(engine, 1, min(2 * budget, min(c for _, c in long_cases)),
                                       4, sampling=sampling, exact=True)
                     info["long"] = await long_table(engine, long_cases,
