@@ -39,7 +39,9 @@ time per kernel with the caches flushed before each, as a step reads its weights
   row (a decode step: the block holding a row's new position, its row's or its split's,
   owns its kv head's new K/V), else `rope_write` + `paged_attention`: 267 -> 235 kernels
   in a 1-row step, the one launch 14.8 µs against 13.3 + 9.2 for the two. Split launches
-  took the two-launch form until 2026-12-06 (a launch fewer a layer at long contexts since).
+  took the two-launch form until 2026-12-06; one launch fewer a layer since, measured even
+  (H100, decode at a 1k context, 256 tokens, fresh engines in turn: 259.7 and 254.5 tok/s
+  against 258.4 and 207.0 for the two launches).
 * paged_attention, a row's keys summed in splits of `SPLIT_BLOCKS` key blocks (512 keys),
   folded in split order, whatever the launch: a row whose keys fit one split is one
   block's walk (one 16k-context row was 8 blocks on the 132 SMs); a longer one a block per
