@@ -13,6 +13,12 @@
 #   cold   gpu_bench.py --cold: the first batch of $COLD_STREAMS (default 8) streams after
 #          start-up against the same batch warm (cold / warm), with the start-up warm-up and
 #          without (not in the default list)
+#   ab     slotserve bench --long on the working tree and on $AB_BASE (another tree's src/
+#          carried in the call, e.g. `git archive REV src | tar x -C .exp/base`, then
+#          AB_BASE=.exp/base/src), one engine each in turn, $AB_ORDER (default base new base
+#          new; $AB_CONTEXTS, default 128,1024,16384: one prompt each, its prefill and
+#          its decode at that context; $AB_NEW_TOKENS, $AB_PREFILL_BUDGET) (not in the
+#          default list)
 #   decode_history  bench/decode_history.py: one 16k prompt's decode fresh, after sampled
 #          128-stream batches on the same engine, and after dropping the decode traces and
 #          MLX's buffer cache (not in the default list)
@@ -36,8 +42,7 @@
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #          ($DETAIL_ARGS: gpu_profile.py --launches arguments, default --rule-only --rows 1,64)
 #   attention_detail  the same for the attention launch of a 1-row decode step (2 layers;
-#          context $ATTENTION_CTX, default 1,024: the split launch; up to 1,023 the fused
-#          rope_attention)
+#          context $ATTENTION_CTX, default 1,024: the split launch; up to 511 the whole one)
 #   sass   the 1-row gate+up launch's SASS with per-instruction counts and its warp states;
 #          the same for the attention launch of a 1-row decode step at $ATTENTION_CTX, with
 #          per-instruction stall samples (ncu)
@@ -119,7 +124,8 @@ LLAMA_BF16=$SYNTH_DIR/llama3-8b-bf16
 MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
 
 want() { [[ "$STAGES" == *" $1 "* ]]; }
-# the decode-step attention launch the ncu stages look at: fused up to 1,023 keys, then split
+# the decode-step attention launch the ncu stages look at: one block a row and kv head up to
+# launch.SPLIT_BLOCKS key blocks (511 keys), then split (both rotate q and write K/V)
 ATTENTION_CTX=${ATTENTION_CTX:-1024}
 ATTENTION_KERNELS="slotserve_rope_attention|slotserve_paged_attention"
 stage() { echo; echo "=== $(date -u +%FT%TZ) $*"; }
@@ -256,6 +262,26 @@ if want cold; then
       --cold --cold-streams "${COLD_STREAMS:-8}" --prompt-tokens 128 --new-tokens 64 --skip-invariance $warm \
       --out "$OUT/cold${warm:+_no_warm_up}_llama3-8b.json" | grep -v '^ \|^[{}]$'
   done
+fi
+
+if want ab; then
+  # the working tree against $AB_BASE (another tree's src/, carried in the call), one engine
+  # each, in the order $AB_ORDER gives (default: base new base new: the spread shows)
+  stage "ab llama3-8b: slotserve bench --long, $AB_BASE against the working tree"
+  if [ -d "${AB_BASE:-}" ]; then
+    mkdir -p /tmp/slotserve-ab-base && ln -sfn "$(realpath "$AB_BASE")" /tmp/slotserve-ab-base/slotserve
+    for tree in ${AB_ORDER:-base new base new}; do
+      pkg=/tmp/slotserve-pkg; [ "$tree" = base ] && pkg=/tmp/slotserve-ab-base
+      PYTHONPATH=$pkg:$PYTHONPATH timeout "${AB_TIMEOUT:-150}" $PY -m slotserve.cli bench \
+        --device gpu --model "$LLAMA" --long --contexts "${AB_CONTEXTS:-128,1024,16384}" \
+        --long-new-tokens "${AB_NEW_TOKENS:-256}" --prefill-budget "${AB_PREFILL_BUDGET:-1024}" \
+        > "$OUT/ab_$tree.jsonl" 2>/dev/null
+      echo "$tree: $(grep '^{"context"' "$OUT/ab_$tree.jsonl" \
+        | grep -o '"context": [0-9]*\|"prefill_tok_s": [0-9.]*\|"decode_tok_s": [0-9.]*' | tr '\n' ' ')"
+    done
+  else
+    echo "no AB_BASE: set it to a src/ folder carried in the call"
+  fi
 fi
 
 if want decode_history; then
