@@ -1,6 +1,7 @@
 """Registers and spills of slotserve's CUDA kernels as MLX compiles them, without a GPU.
 
-    python3 bench/cuda_registers.py          # needs nvcc (CUDA 13) on the PATH
+    python3 bench/cuda_registers.py           # needs nvcc (CUDA 13) on the PATH
+    python3 bench/cuda_registers.py --digest  # and a digest of each launch's machine code
 
 Several launch rules in slotserve.kernels.cuda.launch hang on a register count: a q4_matmul
 block of two row tiles (256 threads) keeps two blocks an SM at 128 registers and one above
@@ -11,11 +12,18 @@ are constexprs, after MLX's default header and the kernel's own) and compiles it
 `nvcc -arch=sm_90a -Xptxas -v`, for the launch shapes the engine uses on the Llama-3-8B
 widths. nvcc and MLX's NVRTC agreed on the counts checked so far (docs/history.md); a
 change to a kernel should leave these numbers where the launch rules need them.
+
+`--digest` adds an MD5 of each cubin's .text sections (the machine code, without the
+metadata that changes with the source text): a change meant to move no instruction, a
+refactor of the sources, shows the same digests before and after, and so needs no GPU run
+to keep the GPU tests' verdict.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -66,9 +74,21 @@ def kernel_source(name: str, template: list[tuple[str, Any]]) -> str:
             + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n" + body + "\n}\n}\n")
 
 
+def text_digest(cubin: Path) -> str:
+    """MD5 (10 hex digits) of an ELF cubin's .text sections, in section order."""
+    b = cubin.read_bytes()
+    (shoff,) = struct.unpack_from("<Q", b, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]  # the section-name table's offset
+    text = b"".join(b[h[4] : h[4] + h[5]] for h in headers
+                    if b[names + h[0] : b.index(b"\0", names + h[0])].startswith(b".text"))
+    return hashlib.md5(text).hexdigest()[:10]
+
+
 def counts(name: str, template: list[tuple[str, Any]], workdir: Path) -> tuple[int, int]:
-    """(registers, bytes spilled) of one kernel form; RuntimeError with nvcc's message when
-    it does not compile."""
+    """(registers, bytes spilled) of one kernel form, its cubin left at workdir/k.cubin;
+    RuntimeError with nvcc's message when it does not compile."""
     cu = workdir / "k.cu"
     cu.write_text(kernel_source(name, template), encoding="utf-8")
     run = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-o", str(workdir / "k.cubin"),
@@ -138,10 +158,12 @@ def cases() -> list[tuple[str, str, list[tuple[str, Any]]]]:
 
 
 def main() -> int:
+    digest = "--digest" in sys.argv[1:]
     with tempfile.TemporaryDirectory() as tmp:
         for label, name, template in cases():
             used, spilled = counts(name, template, Path(tmp))
-            print(f"{label}: {used} registers, {spilled} bytes spilled", flush=True)
+            code = f", code {text_digest(Path(tmp) / 'k.cubin')}" if digest else ""
+            print(f"{label}: {used} registers, {spilled} bytes spilled{code}", flush=True)
     return 0
 
 

@@ -1,7 +1,7 @@
 // slotserve_attention_combine: the output rows of slotserve_paged_attention_split, each
 // row's splits folded in split order (split_fold.cuh, as a MERGE whole kernel folds them as
 // its walk passes them: the same bits). The body of an mx.fast.cuda_kernel; the header is
-// common.cuh and split_fold.cuh.
+// common.cuh, split_fold.cuh and attention_out.cuh.
 //
 // One block (128 threads) per (row, query head); part [R, HKV, S, G, D + 2] (P.V sums,
 // running max, running sum per split and query head), row_table / row_pos [R] -> out
@@ -53,5 +53,5 @@
     }
   }
   float f, sum;
-  split_fold_out(m, l, SINKS, SINKS ? sinks[hq] : 0.0f, f, sum);
-  out[base + tid] = __float2bfloat16(split_fold_value(a, SINKS, f, sum));
+  attention_out_scale(m, l, SINKS, SINKS ? sinks[hq] : 0.0f, f, sum);
+  out[base + tid] = __float2bfloat16(attention_out_value(a, SINKS, f, sum));

@@ -1,4 +1,4 @@
-// paged_attention.cu's @FOLD@ for kernels without MERGE (the split kernels, rope_attention):
-// no folded P.V sums are kept (the code reading them is compiled out).
+// paged_attention.cu's @FOLD@ for the kernels that never fold (the split kernels,
+// rope_attention): nothing to keep (MERGE is false: fold_split is never called).
 
-  float* const fold_acc = nullptr;
+  auto fold_split = []() {};

@@ -36,9 +36,12 @@
 //   line @PAD@    a padding tile: zeros (attention_whole_pad.cu), or nothing for a split
 //   line @OUT@    the result: the output rows (attention_whole_out.cu) or the split's
 //                 partial sums (attention_split_out.cu)
-//   line @FOLD@   where a MERGE block keeps its folded P.V sums: this thread's column of
-//                 its block's part of scratch (attention_fold_scratch.cu), or nowhere
-//                 (attention_fold_none.cu: kernels without MERGE)
+//   line @FOLD@   fold_split() and the splits folded so far: kept in the block's part of
+//                 scratch (attention_fold_scratch.cu, slotserve_paged_attention), or none
+//                 (attention_fold_none.cu: kernels that never fold)
+//   line @LAST@   (in attention_whole_out.cu) the row's max, sum and P.V sums: the last
+//                 split folded in where MERGE (attention_last_fold.cu), else its one walk's
+//                 (attention_last_run.cu)
 //   line @Q@      the query rows into qs: paged_attention_query.cu (read q) or
 //                 rope_attention_query.cu (rotate the row's fused QKV, write the new K/V
 //                 into the pool; tiles of one row)
@@ -134,32 +137,7 @@
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  // MERGE: the splits folded so far (split_fold.cuh); element (n, c) of this thread's P.V
-  // sums at fold_acc[(4n + c) * 128]
-  float m_fold[2] = {neg_inf(), neg_inf()}, l_fold[2] = {0.0f, 0.0f};
 @FOLD@
-  // fold the split just summed into m_fold, l_fold, fold_acc, and start the next at zero
-  auto fold_split = [&]() {
-    if (!active) return;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const SplitFold f = split_fold(m_fold[e], m_run[e]);
-      m_fold[e] = split_fold_max(f, m_fold[e]);
-      l_fold[e] = split_fold_sum(f, l_fold[e], l_run[e]);
-      m_run[e] = neg_inf();
-      l_run[e] = 0.0f;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        if (!f.skip && !(NARROW && (n >> 1) % 4 != warp))
-#pragma unroll
-          for (int c = 2 * e; c < 2 * e + 2; ++c) {
-            float& a = fold_acc[(4 * n + c) * 128];
-            a = f.take ? o[n][c] : split_fold_sum(f, a, o[n][c]);
-          }
-        o[n][2 * e] = o[n][2 * e + 1] = 0.0f;
-      }
-    }
-  };
   const uint32_t* q32 = reinterpret_cast<const uint32_t*>(&qs[mwarp * 16][0]);
   const uint32_t* k32 = reinterpret_cast<const uint32_t*>(ks);
   for (int jb = jb_first; jb <= jb_last; ++jb) {

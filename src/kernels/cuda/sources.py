@@ -37,7 +37,7 @@ class KernelSource:
 
 _ATTENTION_INPUTS = ("kpool", "vpool", "tables", "row_table", "row_pos", "tiles", "params",
                      "sinks")
-_ATTENTION_HEADERS = ("cp_async.cuh", "mma.cuh", "split_fold.cuh")
+_ATTENTION_HEADERS = ("cp_async.cuh", "mma.cuh", "attention_out.cuh")
 _WHOLE = (("@BLOCK@", "attention_whole_block.cu"), ("@PAD@", "attention_whole_pad.cu"),
           ("@OUT@", "attention_whole_out.cu"))
 _SPLIT = (("@BLOCK@", "attention_split_block.cu"), ("@PAD@", "attention_split_pad.cu"),
@@ -53,18 +53,21 @@ KERNELS: dict[str, KernelSource] = {
                             ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh")),
     "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
     "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out", "scratch"),
-                                    "paged_attention.cu", _ATTENTION_HEADERS,
+                                    "paged_attention.cu", (*_ATTENTION_HEADERS, "split_fold.cuh"),
                                     query="paged_attention_query.cu",
-                                    fragments=(*_WHOLE, ("@FOLD@", "attention_fold_scratch.cu"))),
+                                    fragments=(*_WHOLE, ("@FOLD@", "attention_fold_scratch.cu"),
+                                               ("@LAST@", "attention_last_fold.cu"))),
     "paged_attention_split": KernelSource(("q", *_ATTENTION_INPUTS), ("partials",),
                                           "paged_attention.cu", _ATTENTION_HEADERS,
                                           query="paged_attention_query.cu", fragments=_SPLIT),
     "attention_combine": KernelSource(("part", "row_table", "row_pos", "sinks"), ("out",),
-                                      "attention_combine.cu", ("split_fold.cuh",)),
+                                      "attention_combine.cu",
+                                      ("split_fold.cuh", "attention_out.cuh")),
     "rope_attention": KernelSource(("qkv", *_ATTENTION_INPUTS, "cos_t", "sin_t", "write_rows"),
                                    ("out",), "paged_attention.cu", _ATTENTION_HEADERS,
                                    **_ROPE,
-                                   fragments=(*_WHOLE, ("@FOLD@", "attention_fold_none.cu"))),
+                                   fragments=(*_WHOLE, ("@FOLD@", "attention_fold_none.cu"),
+                                              ("@LAST@", "attention_last_run.cu"))),
     "rope_attention_split": KernelSource(("qkv", *_ATTENTION_INPUTS, "cos_t", "sin_t",
                                           "write_rows"), ("partials",), "paged_attention.cu",
                                          _ATTENTION_HEADERS, **_ROPE, fragments=_SPLIT),

@@ -1,7 +1,7 @@
-// Folding a row's attention splits into one result (after common.cuh): how
-// attention_combine.cu combines a split launch's partials, and how paged_attention.cu's
-// whole kernels fold the splits their walk passes (MERGE). Both take a row's splits in
-// split order through these helpers, so a row gets the same bits either way.
+// Folding a row's attention splits into one result (after common.cuh; the kernels that fold
+// only): how attention_combine.cu combines a split launch's partials, and how
+// paged_attention.cu's whole kernel folds the splits its walk passes (MERGE). Both take a
+// row's splits in split order through these helpers, so a row gets the same bits either way.
 //
 // A split is (m, l, a): its running max, running sum and P.V sums. The fold keeps the same
 // three. A split holding none of the row's keys (m = -inf: before its window) changes
@@ -32,23 +32,4 @@ __device__ __forceinline__ float split_fold_max(const SplitFold& f, float run_m)
 // a folded sum: the running sum or a P.V sum, with the split's
 __device__ __forceinline__ float split_fold_sum(const SplitFold& f, float run, float x) {
   return f.skip ? run : f.take ? x : __fmaf_rn(x, f.fb, __fmul_rn(run, f.fa));
-}
-
-// a row's output scale from its folded (m, l): 1 / the softmax's sum, and the factor on
-// its P.V sums. SINKS: the head's sink logit (log2 units) is one more softmax term that
-// weights no value: max and sum rescaled to max(m, sink), the sink's term added once.
-__device__ __forceinline__ void split_fold_out(float m, float l, bool sinks, float sink,
-                                               float& f, float& sum) {
-  f = 1.0f;
-  sum = l;
-  if (sinks) {
-    const float mx = fmaxf(m, sink);
-    f = m == mx ? 1.0f : exp2f(m - mx);
-    sum = __fmaf_rn(l, f, -0.0f) + exp2f(sink - mx);
-  }
-}
-
-// one output element: a P.V sum under split_fold_out's factor and sum
-__device__ __forceinline__ float split_fold_value(float a, bool sinks, float f, float sum) {
-  return (sinks ? __fmaf_rn(a, f, -0.0f) : a) / sum;
 }
