@@ -13,7 +13,7 @@ import pytest
 from slotserve.kernels import cuda
 from slotserve.kernels.attention import BLOCK
 from slotserve.kernels.cuda import launch, sources
-from slotserve.model.layers import Batch, device_inputs
+from slotserve.model.layers import device_inputs
 
 
 def _codes(q: np.ndarray, k: int) -> np.ndarray:
@@ -121,14 +121,15 @@ def test_split_partials_fit_the_cap() -> None:
 
 
 def test_a_steps_tiles_walk_to_their_last_rows_key_block() -> None:
-    """Batch._tile_blocks: each tile of launch.attention_tiles' cut, up to its last row."""
-    class Seg:  # what _tile_blocks reads of a Segment
-        def __init__(self, start: int, length: int) -> None:
-            self.start, self.length = start, length
-
+    """launch.tile_walks: each tile of launch.attention_tiles' cut, up to its last row."""
     t = launch.ATTENTION_TILE
-    segs = [Seg(BLOCK - 2, t + 3), Seg(5 * BLOCK - 1, 1), Seg(0, t)]
-    assert Batch._tile_blocks(segs) == [2, 2, 5, 1]  # type: ignore[arg-type]
+    segs = [(BLOCK - 2, t + 3), (5 * BLOCK - 1, 1), (0, t)]  # (first position, length)
+    positions = [p for start, n in segs for p in range(start, start + n)]
+    firsts = np.cumsum([0] + [n for _, n in segs[:-1]])
+    rows = len(positions)
+    tiles = launch.attention_tiles([(int(f), n) for f, (_, n) in zip(firsts, segs, strict=True)],
+                                   rows, rows + 3)
+    assert launch.tile_walks(tiles, [*positions, 0, 0, 0], rows) == [2, 2, 5, 1]
 
 
 @pytest.mark.parametrize("n", [48, 256, 1024, 4096, 6144, 14336, 16384, 28672, 65536, 128256])

@@ -48,7 +48,7 @@ from slotserve.kernels.attention import (
     span_for,
 )
 from slotserve.kernels.cpu_attention import RopeTables, RowTables
-from slotserve.kernels.cuda.launch import ATTENTION_TILE, attention_merge, attention_tiles
+from slotserve.kernels.cuda.launch import attention_merge, attention_tiles, tile_walks
 from slotserve.model.kv import KVPool, SlotKV, rewindow
 from slotserve.model.weights import QuantizedWeight, Tensor
 
@@ -200,7 +200,7 @@ class Batch:
             batch = Batch(segs, pos_in, pool, rows_in)
             batch.cuda = (tables_in, row_table_in, pos_in, tiles_in)
             batch.merge = not batch.one_row_per_slot and (
-                attention_merge(Batch._tile_blocks(segs), pool.num_kv_heads)
+                attention_merge(tile_walks(tiles, positions, row), pool.num_kv_heads)
                 if merge is None else merge)
             tables = t.tables
         else:
@@ -217,13 +217,6 @@ class Batch:
             assert write_rows is not None
             batch.window = batch._windowed(write_rows, tables)
         return batch
-
-    @staticmethod
-    def _tile_blocks(segs: list[Segment]) -> list[int]:
-        """The key blocks each attention tile's walk takes (its last row's position // BLOCK
-        + 1), tiles as launch.attention_tiles cuts the segments."""
-        return [(min(first + ATTENTION_TILE, s.start + s.length) - 1) // BLOCK + 1
-                for s in segs for first in range(s.start, s.start + s.length, ATTENTION_TILE)]
 
     def _windowed(self, write_rows: np.ndarray, tables: np.ndarray | None) -> Batch:
         """The window view (see `window`): the same step with its write rows and tables

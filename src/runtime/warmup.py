@@ -105,16 +105,13 @@ def _run(runner: ModelRunner, model: Any, prompts: list[list[int]], decode: int,
         for step in range(len(feeds) + decode):
             if step < len(feeds):
                 feed = feeds[step]
+            runner.attention_merge = merge if step == 0 else None
             work = [RowWork(i, kvs[i], start[i], feed[i], True, params[i], states[i],
                             states[i].num_generated, logprobs=step == 1,
                             top_logprobs=min(2 * i, MAX_TOP_LOGPROBS) if step == 1
                             else 0)
                     for i in range(len(prompts))]
-            runner.attention_merge = merge if step == 0 else None
-            try:
-                out = runner.step(work)
-            finally:
-                runner.attention_merge = None
+            out = runner.step(work)
             feed = []  # the next decode step feeds the tokens just sampled
             for i, w in enumerate(work):
                 token = out.sampled[w.slot_id].token
@@ -122,6 +119,7 @@ def _run(runner: ModelRunner, model: Any, prompts: list[list[int]], decode: int,
                 start[i] += len(w.tokens)
                 feed.append([token])
     finally:
+        runner.attention_merge = None
         for kv in kvs:
             kv.release()
     return len(feeds) + decode

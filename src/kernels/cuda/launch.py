@@ -79,6 +79,7 @@ time per kernel with the caches flushed before each, as a step reads its weights
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 NORM_ROWS = 4  # q4_matmul normalizes x in its prologue for launches of up to this many rows
@@ -194,10 +195,19 @@ def attention_tiles(segments: list[tuple[int, int]], rows: int, padded_rows: int
     return starts + list(range(rows, padded_rows, ATTENTION_TILE))
 
 
+def tile_walks(tiles: list[int], positions: Sequence[int], rows: int) -> list[int]:
+    """The key blocks each real tile of a step walks (attention_tiles' first rows; the
+    step's row positions; its real rows): its last row's position // 128 + 1, a tile's rows
+    ending where the next tile's begin, ATTENTION_TILE at most (paged_attention.cu)."""
+    ends = [*tiles[1:], rows]
+    return [int(positions[min(end, first + ATTENTION_TILE) - 1]) // 128 + 1
+            for first, end in zip(tiles, ends, strict=True) if first < rows]
+
+
 def attention_merge(tile_blocks: list[int], kv_heads: int) -> bool:
     """Whether a prefill step's attention folds its long rows' splits inside one block a
     tile (paged_attention's merge) rather than a block a split: tile_blocks are the key
-    blocks each tile's walk takes (its last row's position // 128 + 1). Only where some
+    blocks each tile's walk takes (tile_walks). Only where some
     row spans more than one split, and the longest walk is within the step's work over
     MERGE_BLOCKS blocks (rule above)."""
     longest = max(tile_blocks, default=0)
