@@ -43,6 +43,8 @@
 #          ($DETAIL_ARGS: gpu_profile.py --launches arguments, default --rule-only --rows 1,64)
 #   attention_detail  the same for the attention launch of a 1-row decode step (2 layers;
 #          context $ATTENTION_CTX, default 1,024: the split launch; up to 511 the whole one)
+#   prefill_attention  one layer's attention for the last 1,024 rows of $PREFILL_CTX-token
+#          prompts (default 4096,16384), timed, and ncu's detailed sections for the last
 #   sass   the 1-row gate+up launch's SASS with per-instruction counts and its warp states;
 #          the same for the attention launch of a 1-row decode step at $ATTENTION_CTX, with
 #          per-instruction stall samples (ncu)
@@ -393,6 +395,15 @@ if want attention_detail; then
     grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall" \
       "$OUT/attention_detail.txt" | cut -c1-220 | head -60
   fi
+fi
+
+if want prefill_attention; then
+  stage "prefill_attention: one layer's attention, the last 1,024 rows of ${PREFILL_CTX:=4096,16384} -token prompts; ncu's sections at the last"
+  timeout 240 $PY bench/gpu_profile.py --prefill-attention "$PREFILL_CTX"
+  ncu_report prefill_attention.txt --set detailed --section SourceCounters \
+    -k regex:"$ATTENTION_KERNELS" -c 1 $PY bench/gpu_profile.py --prefill-attention "${PREFILL_CTX##*,}" &&
+  grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall|Pipe" \
+    "$OUT/prefill_attention.txt" | cut -c1-220 | head -80
 fi
 
 if want sass; then

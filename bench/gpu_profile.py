@@ -120,6 +120,50 @@ def launches(shapes: list[tuple[int, int]], rows: list[int], *, rule_only: bool 
             mx.eval(run())
 
 
+def prefill_attention(ctx: int, chunk: int = 1024, heads: int = 32, kv_heads: int = 8,
+                      head_dim: int = 128) -> None:
+    """One layer's attention for the last `chunk` rows of a ctx-token prompt (Llama-3-8B's
+    heads), in the tiles and the form (launch.attention_merge) the engine would give that
+    prefill step: timed here (mean of 20 launches) and launched once behind a marker for
+    ncu."""
+    import time
+
+    import mlx.core as mx
+
+    from slotserve.kernels import cuda
+    from slotserve.kernels.attention import paged_blocks
+    from slotserve.kernels.cuda import launch
+
+    mx.set_default_device(mx.gpu)
+    kv = [(mx.random.normal((kv_heads, ctx, head_dim)) * 0.5).astype(mx.bfloat16)
+          for _ in range(2)]
+    (kblocks, tables), (vblocks, _) = paged_blocks([kv[0]]), paged_blocks([kv[1]])
+    kpool, vpool = kblocks.reshape(-1, head_dim), vblocks.reshape(-1, head_dim)
+    positions = list(range(ctx - chunk, ctx))
+    q = mx.random.normal((chunk, heads * head_dim)).astype(mx.bfloat16)
+    tiles = launch.attention_tiles([(0, chunk)], chunk, chunk)
+    merge = launch.attention_merge(launch.tile_walks(tiles, positions, chunk), kv_heads)
+    pos = mx.array(positions, dtype=mx.int32)
+    slot = mx.zeros((chunk,), dtype=mx.int32)
+    tile_arr = mx.array(tiles, dtype=mx.int32)
+
+    def run() -> mx.array:
+        return cuda.paged_attention(q, kpool, vpool, tables, slot, pos, head_dim**-0.5,
+                                    tiles=tile_arr, merge=merge)
+
+    mx.eval(kpool, vpool, tables, run())
+    start = time.perf_counter()
+    for _ in range(20):
+        mx.eval(run())
+    ms = (time.perf_counter() - start) / 20 * 1e3
+    flops = 4 * heads * head_dim * sum(p + 1 for p in positions)
+    print(json.dumps({"ctx": ctx, "chunk": chunk, "merge": merge, "ms": round(ms, 3),
+                      "tflops": round(flops / ms / 1e9, 1)}))
+    with _profiled():
+        _marker(f"attn{ctx}")
+        mx.eval(run())
+
+
 def _short(name: str) -> str:
     """A kernel's family: slotserve's by name, MLX's by its function name."""
     name = re.sub(r"<.*", "", name.replace("void ", "").split("(")[0])
@@ -169,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-blocks", type=int,
                    help="key blocks an attention split takes (launch.SPLIT_BLOCKS) for this "
                         "profile: the split size a long row's decode runs with")
+    p.add_argument("--prefill-attention", type=str, metavar="CTX[,CTX]",
+                   help="no model: one layer's attention for the last 1,024 rows of a "
+                        "CTX-token prompt, timed and profiled")
     args = p.parse_args(argv)
     if args.split_blocks:
         from slotserve.kernels.cuda import launch
@@ -180,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(Path(__file__).parent))
     rows = [int(r) for r in args.rows.split(",")]
+    if args.prefill_attention:
+        for ctx in args.prefill_attention.split(","):
+            prefill_attention(int(ctx))
+        return 0
     if args.launches:
         import mlx.core as mx
 
