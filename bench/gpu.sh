@@ -401,6 +401,7 @@ if want prefill_attention; then
   stage "prefill_attention: one layer's attention, the last 1,024 rows of ${PREFILL_CTX:=4096,16384} -token prompts; ncu's sections at the last"
   timeout 240 $PY bench/gpu_profile.py --prefill-attention "$PREFILL_CTX"
   ncu_report prefill_attention.txt --set detailed --section SourceCounters \
+    --section WarpStateStats --section SchedulerStats \
     -k regex:"$ATTENTION_KERNELS" -c 1 $PY bench/gpu_profile.py --prefill-attention "${PREFILL_CTX##*,}" &&
   grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall|Pipe" \
     "$OUT/prefill_attention.txt" | cut -c1-220 | head -80
