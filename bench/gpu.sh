@@ -19,6 +19,11 @@
 #          new; $AB_CONTEXTS, default 128,1024,16384: one prompt each, its prefill and
 #          its decode at that context; $AB_NEW_TOKENS, $AB_PREFILL_BUDGET) (not in the
 #          default list)
+#   kernel_ab  the prefill kernels alone, several trees in turn ($KERNEL_AB_TREES, name=src
+#          pairs; default base=$AB_BASE new=src): q4_matmul at $KERNEL_AB_ROWS (default
+#          1024,512) rows on the 8B projections, timed, with a bits check against
+#          q4_matmul's own launch, and one layer's prefill attention at $PREFILL_CTX
+#          (not in the default list; no checkpoint)
 #   decode_history  bench/decode_history.py: one 16k prompt's decode fresh, after sampled
 #          128-stream batches on the same engine, and after dropping the decode traces and
 #          MLX's buffer cache (not in the default list)
@@ -284,6 +289,28 @@ if want ab; then
   else
     echo "no AB_BASE: set it to a src/ folder carried in the call"
   fi
+fi
+
+if want kernel_ab; then
+  # the prefill kernels alone, several trees in turn (no checkpoint): q4_matmul at
+  # $KERNEL_AB_ROWS rows on the 8B projections (with a bits check against q4_matmul's own
+  # launch) and one layer's prefill attention at $PREFILL_CTX. $KERNEL_AB_TREES: name=src
+  # pairs (default: base=$AB_BASE new=src), each run in the order given, $KERNEL_AB_ROUNDS
+  # times (default 2)
+  trees=${KERNEL_AB_TREES:-${AB_BASE:+base=$AB_BASE} new=src}
+  stage "kernel_ab: q4 prefill launches and prefill attention of $trees"
+  for round in $(seq "${KERNEL_AB_ROUNDS:-2}"); do
+    for spec in $trees; do
+      name=${spec%%=*} tree=${spec#*=}
+      [ -d "$tree" ] || { echo "--- $name: no $tree"; continue; }
+      mkdir -p "/tmp/slotserve-ab-$name" && ln -sfn "$(realpath "$tree")" "/tmp/slotserve-ab-$name/slotserve"
+      echo "--- $name (round $round)"
+      PYTHONPATH=/tmp/slotserve-ab-$name:$PYTHONPATH timeout 200 $PY bench/gpu_profile.py \
+        --gemm-timing --rows "${KERNEL_AB_ROWS:-1024,512}" 2>&1 | grep '^{'
+      PYTHONPATH=/tmp/slotserve-ab-$name:$PYTHONPATH timeout 200 $PY bench/gpu_profile.py \
+        --prefill-attention "${PREFILL_CTX:-4096,16384}" 2>&1 | grep '^{'
+    done
+  done
 fi
 
 if want decode_history; then

@@ -164,6 +164,39 @@ def prefill_attention(ctx: int, chunk: int = 1024, heads: int = 32, kv_heads: in
         mx.eval(run())
 
 
+def gemm_timing(rows: list[int]) -> None:
+    """q4_matmul at prefill row counts (q4_gemm where launch.q4_gemm says so) on Llama-3-8B's
+    projections: ms a launch (mean of 30, caches warm) and TFLOPS; at each shape's first row
+    count, whether it gives q4_matmul's own launch (q4.run) bit for bit."""
+    import time
+
+    import mlx.core as mx
+    from gpu_bench import LLAMA3_8B_LINEARS
+
+    from slotserve.kernels import cuda
+    from slotserve.kernels.cuda import launch, q4
+
+    mx.set_default_device(mx.gpu)
+    for n, k in LLAMA3_8B_LINEARS:
+        if n > 65536:  # the lm_head: its prefill row is the prompt's last alone
+            continue
+        w = (mx.random.normal((n, k)) * k**-0.5).astype(mx.bfloat16)
+        packed = cuda.q4_pack(*mx.quantize(w, group_size=64, bits=4))
+        for i, m in enumerate(rows):
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            y = cuda.q4_matmul(x, *packed)
+            mx.eval(x, *packed, y)
+            start = time.perf_counter()
+            for _ in range(30):
+                mx.eval(cuda.q4_matmul(x, *packed))
+            ms = (time.perf_counter() - start) / 30 * 1e3
+            r: dict[str, Any] = {"n": n, "k": k, "rows": m, "gemm": launch.q4_gemm(m, n),
+                                 "ms": round(ms, 3), "tflops": round(2 * m * n * k / ms / 1e9, 1)}
+            if i == 0:
+                r["same_bits"] = mx.array_equal(y, q4.run(x, *packed, launch.q4_shape(m, n))).item()
+            print(json.dumps(r), flush=True)
+
+
 def _short(name: str) -> str:
     """A kernel's family: slotserve's by name, MLX's by its function name."""
     name = re.sub(r"<.*", "", name.replace("void ", "").split("(")[0])
@@ -216,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-attention", type=str, metavar="CTX[,CTX]",
                    help="no model: one layer's attention for the last 1,024 rows of a "
                         "CTX-token prompt, timed and profiled")
+    p.add_argument("--gemm-timing", action="store_true",
+                   help="no model: q4_matmul at --rows on Llama-3-8B's projections, timed, "
+                        "and its bits against q4_matmul's own launch")
     args = p.parse_args(argv)
     if args.split_blocks:
         from slotserve.kernels.cuda import launch
@@ -227,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(Path(__file__).parent))
     rows = [int(r) for r in args.rows.split(",")]
+    if args.gemm_timing:
+        gemm_timing(rows)
+        return 0
     if args.prefill_attention:
         for ctx in args.prefill_attention.split(","):
             prefill_attention(int(ctx))
