@@ -24,6 +24,9 @@
 #          1024,512) rows on the 8B projections, timed, with a bits check against
 #          q4_matmul's own launch, and one layer's prefill attention at $PREFILL_CTX
 #          (not in the default list; no checkpoint)
+#   wgmma_probe  bench/wgmma_probe.py: whether Hopper's warpgroup multiply gives the warp
+#          multiply's bits step by step, and whether an sm_90a kernel runs under MLX (not in
+#          the default list; no checkpoint)
 #   decode_history  bench/decode_history.py: one 16k prompt's decode fresh, after sampled
 #          128-stream batches on the same engine, and after dropping the decode traces and
 #          MLX's buffer cache (not in the default list)
@@ -311,6 +314,11 @@ if want kernel_ab; then
         --prefill-attention "${PREFILL_CTX:-4096,16384}" 2>&1 | grep '^{'
     done
   done
+fi
+
+if want wgmma_probe; then
+  stage "wgmma_probe: do wgmma's k16 steps give mma.sync's bits? (sm_90a through NVRTC)"
+  timeout 120 $PY bench/wgmma_probe.py 2>&1 | tail -14
 fi
 
 if want decode_history; then
