@@ -134,6 +134,11 @@ LLAMA_BF16=$SYNTH_DIR/llama3-8b-bf16
 MOE=$SYNTH_DIR/qwen3-30b-a3b-mlx4
 
 want() { [[ "$STAGES" == *" $1 "* ]]; }
+# a folder that imports another tree's src/ as `slotserve` (for PYTHONPATH): tree_pkg NAME SRC
+tree_pkg() {
+  mkdir -p "/tmp/slotserve-ab-$1" && ln -sfn "$(realpath "$2")" "/tmp/slotserve-ab-$1/slotserve"
+  echo "/tmp/slotserve-ab-$1"
+}
 # the decode-step attention launch the ncu stages look at: one block a row and kv head up to
 # launch.SPLIT_BLOCKS key blocks (511 keys), then split (both rotate q and write K/V)
 ATTENTION_CTX=${ATTENTION_CTX:-1024}
@@ -279,9 +284,9 @@ if want ab; then
   # each, in the order $AB_ORDER gives (default: base new base new: the spread shows)
   stage "ab llama3-8b: slotserve bench --long, $AB_BASE against the working tree"
   if [ -d "${AB_BASE:-}" ]; then
-    mkdir -p /tmp/slotserve-ab-base && ln -sfn "$(realpath "$AB_BASE")" /tmp/slotserve-ab-base/slotserve
+    base_pkg=$(tree_pkg base "$AB_BASE")
     for tree in ${AB_ORDER:-base new base new}; do
-      pkg=/tmp/slotserve-pkg; [ "$tree" = base ] && pkg=/tmp/slotserve-ab-base
+      pkg=/tmp/slotserve-pkg; [ "$tree" = base ] && pkg=$base_pkg
       PYTHONPATH=$pkg:$PYTHONPATH timeout "${AB_TIMEOUT:-150}" $PY -m slotserve.cli bench \
         --device gpu --model "$LLAMA" --long --contexts "${AB_CONTEXTS:-128,1024,16384}" \
         --long-new-tokens "${AB_NEW_TOKENS:-256}" --prefill-budget "${AB_PREFILL_BUDGET:-1024}" \
@@ -306,11 +311,11 @@ if want kernel_ab; then
     for spec in $trees; do
       name=${spec%%=*} tree=${spec#*=}
       [ -d "$tree" ] || { echo "--- $name: no $tree"; continue; }
-      mkdir -p "/tmp/slotserve-ab-$name" && ln -sfn "$(realpath "$tree")" "/tmp/slotserve-ab-$name/slotserve"
+      pkg=$(tree_pkg "$name" "$tree")
       echo "--- $name (round $round)"
-      PYTHONPATH=/tmp/slotserve-ab-$name:$PYTHONPATH timeout 200 $PY bench/gpu_profile.py \
+      PYTHONPATH=$pkg:$PYTHONPATH timeout 200 $PY bench/gpu_profile.py \
         --gemm-timing --rows "${KERNEL_AB_ROWS:-1024,512}" 2>&1 | grep '^{'
-      PYTHONPATH=/tmp/slotserve-ab-$name:$PYTHONPATH timeout 200 $PY bench/gpu_profile.py \
+      PYTHONPATH=$pkg:$PYTHONPATH timeout 200 $PY bench/gpu_profile.py \
         --prefill-attention "${PREFILL_CTX:-4096,16384}" 2>&1 | grep '^{'
     done
   done

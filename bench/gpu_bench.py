@@ -459,6 +459,31 @@ def micro_attention(slots: tuple[int, ...] = (8, 64, 128), span: int = 256, kv_h
     return [_attention_case(n, span, kv_heads, head_dim, group) for n in slots]
 
 
+def long_attention_inputs(span: int, chunk: int = 1024, kv_heads: int = 8, head_dim: int = 128,
+                          group: int = 4) -> dict[str, Any]:
+    """One slot's random K/V of `span` tokens in the paged pool (Llama-3-8B heads by
+    default) and the last `chunk` rows of its prompt in tiles: paged_attention's arguments
+    for that prefill step (q, kpool, vpool, tables, row_table, row_pos; tiles), evaluated."""
+    import mlx.core as mx
+
+    from slotserve.kernels.cuda import launch
+
+    nb = span // 128
+    n = min(chunk, span)
+    args = {
+        "q": mx.random.normal((n, kv_heads * group, head_dim)).astype(mx.bfloat16),
+        "kpool": mx.random.normal((nb * kv_heads * 128, head_dim)).astype(mx.bfloat16),
+        "vpool": mx.random.normal((nb * kv_heads * 128, head_dim)).astype(mx.bfloat16),
+        "tables": mx.random.permutation(nb * kv_heads).reshape(1, nb, kv_heads)
+                    .astype(mx.int32),
+        "row_table": mx.zeros((n,), mx.int32),
+        "row_pos": mx.arange(span - n, span, dtype=mx.int32),
+        "tiles": mx.array(launch.attention_tiles([(0, n)], n, n), dtype=mx.int32),
+    }
+    mx.eval(*args.values())
+    return args
+
+
 def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
                          split_blocks: tuple[int, ...] = (8, 4, 2, 1), chunk: int = 1024,
                          kv_heads: int = 8, head_dim: int = 128,
@@ -467,7 +492,6 @@ def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
     for each split size: one decode row at the span's last position (what decode at 16k
     waits for) and the prefill chunk of `chunk` rows ending there, in tiles (what a long
     prompt's prefill waits for). Sets launch.SPLIT_BLOCKS for the sweep and puts it back."""
-    import mlx.core as mx
 
     from slotserve.kernels.cuda import launch
 
@@ -477,22 +501,15 @@ def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
     saved = launch.SPLIT_BLOCKS
     try:
         for span in spans:
-            nb = span // 128
-            keys = mx.random.normal((nb * kv_heads * 128, head_dim)).astype(mx.bfloat16)
-            values = mx.random.normal((nb * kv_heads * 128, head_dim)).astype(mx.bfloat16)
-            tables = mx.random.permutation(nb * kv_heads).reshape(1, nb, kv_heads)
-            tables = tables.astype(mx.int32)
-            n = min(chunk, span)
-            q = mx.random.normal((n, kv_heads * group, head_dim)).astype(mx.bfloat16)
-            pos = mx.arange(span - n, span, dtype=mx.int32)
-            row_table = mx.zeros((n,), mx.int32)
-            tiles = mx.array(launch.attention_tiles([(0, n)], n, n), dtype=mx.int32)
-            mx.eval(keys, values, tables, q, pos, tiles)
+            a = long_attention_inputs(span, chunk, kv_heads, head_dim, group)
+            n = a["q"].shape[0]
             cases = {
-                "decode": partial(cuda.paged_attention, q[-1:], keys, values, tables,
-                                  row_table[-1:], pos[-1:], head_dim**-0.5),
-                "prefill": partial(cuda.paged_attention, q, keys, values, tables, row_table,
-                                   pos, head_dim**-0.5, tiles=tiles),
+                "decode": partial(cuda.paged_attention, a["q"][-1:], a["kpool"], a["vpool"],
+                                  a["tables"], a["row_table"][-1:], a["row_pos"][-1:],
+                                  head_dim**-0.5),
+                "prefill": partial(cuda.paged_attention, a["q"], a["kpool"], a["vpool"],
+                                   a["tables"], a["row_table"], a["row_pos"], head_dim**-0.5,
+                                   tiles=a["tiles"]),
             }
             for sb in split_blocks:
                 launch.SPLIT_BLOCKS = sb

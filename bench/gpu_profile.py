@@ -124,38 +124,25 @@ def prefill_attention(ctx: int, chunk: int = 1024, heads: int = 32, kv_heads: in
                       head_dim: int = 128) -> None:
     """One layer's attention for the last `chunk` rows of a ctx-token prompt (Llama-3-8B's
     heads), in the tiles and the form (launch.attention_merge) the engine would give that
-    prefill step: timed here (mean of 20 launches) and launched once behind a marker for
-    ncu."""
-    import time
-
+    prefill step: timed here (gpu_bench._timed) and launched once behind a marker for ncu."""
     import mlx.core as mx
+    from gpu_bench import _timed, long_attention_inputs
 
     from slotserve.kernels import cuda
-    from slotserve.kernels.attention import paged_blocks
     from slotserve.kernels.cuda import launch
 
     mx.set_default_device(mx.gpu)
-    kv = [(mx.random.normal((kv_heads, ctx, head_dim)) * 0.5).astype(mx.bfloat16)
-          for _ in range(2)]
-    (kblocks, tables), (vblocks, _) = paged_blocks([kv[0]]), paged_blocks([kv[1]])
-    kpool, vpool = kblocks.reshape(-1, head_dim), vblocks.reshape(-1, head_dim)
-    positions = list(range(ctx - chunk, ctx))
-    q = mx.random.normal((chunk, heads * head_dim)).astype(mx.bfloat16)
-    tiles = launch.attention_tiles([(0, chunk)], chunk, chunk)
-    merge = launch.attention_merge(launch.tile_walks(tiles, positions, chunk), kv_heads)
-    pos = mx.array(positions, dtype=mx.int32)
-    slot = mx.zeros((chunk,), dtype=mx.int32)
-    tile_arr = mx.array(tiles, dtype=mx.int32)
+    a = long_attention_inputs(ctx, chunk, kv_heads, head_dim, heads // kv_heads)
+    positions = range(ctx - chunk, ctx)
+    merge = launch.attention_merge(
+        launch.tile_walks(a["tiles"].tolist(), positions, chunk), kv_heads)
 
     def run() -> mx.array:
-        return cuda.paged_attention(q, kpool, vpool, tables, slot, pos, head_dim**-0.5,
-                                    tiles=tile_arr, merge=merge)
+        return cuda.paged_attention(a["q"], a["kpool"], a["vpool"], a["tables"],
+                                    a["row_table"], a["row_pos"], head_dim**-0.5,
+                                    tiles=a["tiles"], merge=merge)
 
-    mx.eval(kpool, vpool, tables, run())
-    start = time.perf_counter()
-    for _ in range(20):
-        mx.eval(run())
-    ms = (time.perf_counter() - start) / 20 * 1e3
+    ms = _timed(run) * 1e3
     flops = 4 * heads * head_dim * sum(p + 1 for p in positions)
     print(json.dumps({"ctx": ctx, "chunk": chunk, "merge": merge, "ms": round(ms, 3),
                       "tflops": round(flops / ms / 1e9, 1)}))
@@ -166,12 +153,10 @@ def prefill_attention(ctx: int, chunk: int = 1024, heads: int = 32, kv_heads: in
 
 def gemm_timing(rows: list[int]) -> None:
     """q4_matmul at prefill row counts (q4_gemm where launch.q4_gemm says so) on Llama-3-8B's
-    projections: ms a launch (mean of 30, caches warm) and TFLOPS; at each shape's first row
-    count, whether it gives q4_matmul's own launch (q4.run) bit for bit."""
-    import time
-
+    projections: ms a launch (gpu_bench._timed, caches warm) and TFLOPS; at each shape's
+    first row count, whether it gives q4_matmul's own launch (q4.run) bit for bit."""
     import mlx.core as mx
-    from gpu_bench import LLAMA3_8B_LINEARS
+    from gpu_bench import LLAMA3_8B_LINEARS, _timed
 
     from slotserve.kernels import cuda
     from slotserve.kernels.cuda import launch, q4
@@ -184,16 +169,13 @@ def gemm_timing(rows: list[int]) -> None:
         packed = cuda.q4_pack(*mx.quantize(w, group_size=64, bits=4))
         for i, m in enumerate(rows):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            y = cuda.q4_matmul(x, *packed)
-            mx.eval(x, *packed, y)
-            start = time.perf_counter()
-            for _ in range(30):
-                mx.eval(cuda.q4_matmul(x, *packed))
-            ms = (time.perf_counter() - start) / 30 * 1e3
+            mx.eval(x, *packed)
+            ms = _timed(lambda x=x, p=packed: cuda.q4_matmul(x, *p)) * 1e3
             r: dict[str, Any] = {"n": n, "k": k, "rows": m, "gemm": launch.q4_gemm(m, n),
                                  "ms": round(ms, 3), "tflops": round(2 * m * n * k / ms / 1e9, 1)}
             if i == 0:
-                r["same_bits"] = mx.array_equal(y, q4.run(x, *packed, launch.q4_shape(m, n))).item()
+                r["same_bits"] = mx.array_equal(cuda.q4_matmul(x, *packed), q4.run(
+                    x, *packed, launch.q4_shape(m, n))).item()
             print(json.dumps(r), flush=True)
 
 

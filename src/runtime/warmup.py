@@ -13,9 +13,8 @@ in a block a tile, then a short continuation of it a block a split, then decode,
 launch's rope form), then decode steps at the row counts whose kernels differ (the
 fused-norm launches of 1-4 rows, more rows, a batch of 8, and one row count in each of the
 4-bit matmul's wider launch bands) until each is compiled, every step sampling with a mix
-of the
-sampler's knobs (greedy, top_p, top_k, min_p, penalties, bias, logprobs) so the device
-sampler's kernels are compiled too.
+of the sampler's knobs (greedy, top_p, top_k, min_p, penalties, bias, logprobs) so the
+device sampler's kernels are compiled too.
 
 The tokens it produces are thrown away and nothing it leaves behind changes a request's
 bits: the pages go back to the pool, and traces are the same computation as the plain
