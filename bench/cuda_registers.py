@@ -53,7 +53,10 @@ DTYPES = {"wp": U32, "sp": U32, "tables": I32, "row_table": I32, "row_pos": I32,
 
 def kernel_source(name: str, template: list[tuple[str, Any]]) -> str:
     """The kernel as MLX hands it to NVRTC, every input's shape passed (as MLX does for the
-    names the body reads)."""
+    names the body reads); q4_wgmma, a whole kernel for sm_90a, as sm90a.py compiles it."""
+    if name == "q4_wgmma":
+        values = dict(template)
+        return sources.q4_wgmma(values["KSPLIT"], values["RESID"])[1]
     body, header = sources.source(name)
     spec = sources.KERNELS[name]
     params = []
@@ -141,6 +144,7 @@ def cases() -> list[tuple[str, str, list[tuple[str, Any]]]]:
         out.append((f"q4_gemm resid={resid}", "q4_gemm",
                     [("KSPLIT", 8), ("STAGES", launch.GEMM_STAGES), ("RESID", resid),
                      ("SMEM", launch.q4_gemm_shared_bytes())]))
+        out.append((f"q4_wgmma resid={resid}", "q4_wgmma", [("KSPLIT", 8), ("RESID", resid)]))
     for name, tile, merge in (("paged_attention", launch.ATTENTION_TILE, False),
                               ("paged_attention", launch.ATTENTION_TILE, True),
                               ("paged_attention_split", launch.ATTENTION_TILE, False),

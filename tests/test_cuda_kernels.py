@@ -12,7 +12,7 @@ import pytest
 
 from slotserve.kernels import cuda
 from slotserve.kernels.attention import BLOCK, paged_blocks, reference_attention
-from slotserve.kernels.cuda import launch, q4
+from slotserve.kernels.cuda import launch, q4, sm90a
 from slotserve.kernels.cuda.launch import Q4Shape
 from slotserve.kernels.invariance import cuda_attention_invariant
 from slotserve.model.layers import Rope
@@ -71,23 +71,27 @@ def test_q4_matmul_rows_do_not_depend_on_row_count() -> None:
 
 @pytest.mark.parametrize(("n_out", "n_in"), [(1024, 2048), (384, 14336), (256, 640)])
 def test_q4_gemm_gives_q4_matmuls_bits(n_out: int, n_in: int) -> None:
-    """Prefill row counts run q4_gemm (launch.q4_gemm): every row the bits of q4_matmul's
-    own launch and of that row alone, the residual and SwiGLU forms too. K ranges of 2, 14
-    and 5 chunks (k_split 8, 8 and 1); row counts that end inside a 128-row block."""
+    """Prefill row counts run q4_gemm (launch.q4_gemm), q4_wgmma on Hopper: each gives every
+    row the bits of q4_matmul's own launch and of that row alone, the residual and SwiGLU
+    forms too. K ranges of 2, 14 and 5 chunks (k_split 8, 8 and 1); row counts that end
+    inside a 128-row block."""
     packed, _ = _q4(n_out, n_in, 4)
     wide = max(launch.GEMM_ROWS, -(-launch.GEMM_BLOCKS // (n_out // 128)) * 128)
     rows = max(3 * launch.GEMM_ROWS, wide)
     x = mx.random.normal((rows, n_in), key=mx.random.key(5)).astype(mx.bfloat16)
     res = mx.random.normal((rows, n_out), key=mx.random.key(6)).astype(mx.bfloat16)
+    kernels = [q4.gemm_mma, *([q4.gemm_wgmma] if sm90a.available() else [])]
     for m in (launch.GEMM_ROWS, 2 * launch.GEMM_ROWS + 77, rows):
-        gemm = q4.gemm(x[:m], *packed)
         tiles = q4.run(x[:m], *packed, launch.q4_shape(m, n_out))
-        assert mx.array_equal(gemm, tiles).item(), m
-        assert mx.array_equal(q4.gemm(x[:m], *packed, residual=res[:m]),
-                              q4.run(x[:m], *packed, launch.q4_shape(m, n_out),
-                                     residual=res[:m])).item(), m
-        for r in (0, m // 2, m - 1):
-            assert mx.array_equal(cuda.q4_matmul(x[r : r + 1], *packed)[0], gemm[r]).item()
+        tiles_res = q4.run(x[:m], *packed, launch.q4_shape(m, n_out), residual=res[:m])
+        for gemm_launch in kernels:
+            gemm = gemm_launch(x[:m], *packed)
+            assert mx.array_equal(gemm, tiles).item(), (gemm_launch.__name__, m)
+            assert mx.array_equal(gemm_launch(x[:m], *packed, residual=res[:m]),
+                                  tiles_res).item(), (gemm_launch.__name__, m)
+            for r in (0, m // 2, m - 1):
+                assert mx.array_equal(cuda.q4_matmul(x[r : r + 1], *packed)[0],
+                                      gemm[r]).item(), (gemm_launch.__name__, m, r)
     m = wide
     assert launch.q4_gemm(m, n_out)  # the product API takes it there
     assert mx.array_equal(cuda.q4_matmul(x[:m], *packed),

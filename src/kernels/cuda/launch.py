@@ -27,7 +27,10 @@ time per kernel with the caches flushed before each, as a step reads its weights
   bits). Llama-3-8B shape, one engine on an H100 prefilling cold prompts in 1,024-token
   steps, the two in turn: 1k prompt 119-121 -> 113 ms, 4k 477-478 -> 444 ms, 16k
   2,300-2,334 -> 2,119-2,145 ms. Below GEMM_BLOCKS it loses (a micro-benchmark: 200 rows
-  of O, 64 blocks, 91 -> 119 µs).
+  of O, 64 blocks, 91 -> 119 µs). On Hopper it is q4_wgmma (the same bits): H100,
+  `bench/gpu.sh kernel_ab`, 1,024 rows, two rounds each, q4_gemm -> q4_wgmma: gate+up
+  1.59-1.67 -> 1.46 ms, down 0.75 -> 0.68-0.69, QKV 0.386 -> 0.376-0.394, O 0.265 ->
+  0.244; 512 rows likewise except O (0.144-0.154 -> 0.144-0.165).
 * q4_matmul, the residual add in the epilogue of every launch: no register cost (128), one
   launch and graph op fewer per projection (64 a step); engine sweeps with and without it
   were within noise of each other.
@@ -159,6 +162,13 @@ def q4_gemm_shared_bytes() -> int:
     (rows padded to 136) and 16 column tiles' weights and scales, then the K ranges'
     running sums (64 floats a thread)."""
     return GEMM_STAGES * (128 * 136 * 2 + 16 * 36 * 16) + 64 * 256 * 4
+
+
+def q4_wgmma_shared_bytes() -> int:
+    """Dynamic shared memory of a q4_wgmma launch: q4_gemm's stages (a ring of 2), two
+    chunks' codes dequantized into wgmma's B layout (bf16, 32 KB each), then the running
+    sums."""
+    return 2 * (128 * 136 * 2 + 16 * 36 * 16) + 2 * 16 * 128 * 16 + 64 * 256 * 4
 
 
 def rms_threads(k: int) -> int:

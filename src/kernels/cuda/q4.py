@@ -4,8 +4,8 @@ MLX 0.32's CUDA 4-bit matmul reads weights at 90-530 GB/s of the H200's ~3 TB/s 
 decode row counts and changes kernels (and so a row's bits) at 8 rows. This one
 multiplies x by the raw 4-bit codes on the tensor cores (exact in bf16), scales each
 64-wide group's result in float32 and sums the K split's partials in warp order, so a
-row's bits never depend on the launch's row count. Prefill row counts run q4_gemm.cu,
-which does the same operations in the same order in larger tiles.
+row's bits never depend on the launch's row count. Prefill row counts run q4_gemm.cu
+(q4_wgmma.cu on Hopper), which does the same operations in the same order in larger tiles.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from slotserve.kernels.cuda import launch
+from slotserve.kernels.cuda import launch, sm90a, sources
 from slotserve.kernels.cuda.glue import swiglu
 from slotserve.kernels.cuda.launch import Q4Shape
 from slotserve.kernels.cuda.sources import kernel
@@ -112,8 +112,16 @@ def run(x: mx.array, wp: mx.array, sp: mx.array, shape: Q4Shape, *,
 
 def gemm(x: mx.array, wp: mx.array, sp: mx.array, *,
          residual: mx.array | None = None) -> mx.array:
-    """One q4_gemm launch (q4_gemm.cu): the product q4_matmul's launches give, bit for bit,
-    in 128 x 128 block tiles; n % 128 == 0. residual: product + residual, as run()."""
+    """The product q4_matmul's launches give, bit for bit, in 128 x 128 block tiles, for
+    prefill row counts; n % 128 == 0. residual: product + residual, as run(). On Hopper the
+    multiplies run on its warpgroup multiply (gemm_wgmma), elsewhere on mma.sync (gemm_mma):
+    the same bits."""
+    return (gemm_wgmma if sm90a.available() else gemm_mma)(x, wp, sp, residual=residual)
+
+
+def gemm_mma(x: mx.array, wp: mx.array, sp: mx.array, *,
+             residual: mx.array | None = None) -> mx.array:
+    """One q4_gemm launch (q4_gemm.cu), any GPU the kernels run on (sm_80 on)."""
     m, k = x.shape
     n = wp.shape[0] * 8
     assert n % 128 == 0, "q4_gemm takes whole 128-column blocks"
@@ -126,6 +134,22 @@ def gemm(x: mx.array, wp: mx.array, sp: mx.array, *,
         output_shapes=[(m, n)],
         output_dtypes=[mx.bfloat16],
     )
+    return y
+
+
+def gemm_wgmma(x: mx.array, wp: mx.array, sp: mx.array, *,
+               residual: mx.array | None = None) -> mx.array:
+    """One q4_wgmma launch (q4_wgmma.cu, built for sm_90a by sm90a.py): Hopper only."""
+    m, k = x.shape
+    n = wp.shape[0] * 8
+    assert n % 128 == 0, "q4_wgmma takes whole 128-column blocks"
+    name, source = sources.q4_wgmma(launch.k_split(k // 128), residual is not None)
+    (y,) = mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=sm90a.cubin(source),
+        inputs=[x.astype(mx.bfloat16), wp, sp, x if residual is None else residual],
+        output_shapes=[(m, n)], output_dtypes=[mx.bfloat16], scalars=[m, k, n],
+        grid=(-(-m // 128) * (n // 128) * 256, 1, 1), threadgroup=(256, 1, 1),
+        shared_memory=launch.q4_wgmma_shared_bytes(), ensure_row_contiguous=True)
     return y
 
 

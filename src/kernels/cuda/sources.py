@@ -141,3 +141,18 @@ def kernel(name: str, shared_memory: int = 0) -> Any:
         return fn(template=[*template, ("SMEM", shared_memory)], **kwargs)
 
     return launch
+
+
+@cache
+def q4_wgmma(ksplit: int, resid: bool) -> tuple[str, str]:
+    """(kernel name, whole source) of q4_wgmma.cu, a kernel built for sm_90a (sm90a.py),
+    not a cuda_kernel body: its headers before it and its constants (q4_gemm.cu's template
+    values) defined, with a name of its own a variant (MLX keeps a precompiled module by
+    name) and uint32_t / uint64_t spelled out (NVRTC has no <cstdint>)."""
+    name = f"slotserve_q4_wgmma_{ksplit}_{'t' if resid else 'f'}"
+    head = ("#include <cuda_bf16.h>\n#define uint32_t unsigned int\n"
+            "#define uint64_t unsigned long long\n"
+            f"#define KSPLIT {ksplit}\n#define RESID {'true' if resid else 'false'}\n"
+            f"#define KERNEL_NAME {name}\n")
+    files = ("common.cuh", "cp_async.cuh", "mma.cuh", "q4_matmul.cuh", "q4_wgmma.cu")
+    return name, head + compact("".join(_read(f) for f in files))

@@ -1,0 +1,204 @@
+// slotserve_q4_wgmma: q4_gemm.cu's product, the same bits, with each 64-wide group's
+// multiply on Hopper's warpgroup multiply (wgmma.mma_async), which q4_gemm's mma.sync
+// tiles could not feed: Nsight Compute found q4_gemm latency-bound at one block of 8 warps
+// an SM (0.8 warps eligible a cycle, the ALU pipe busiest with dequantizing). A whole
+// kernel for sm_90a, compiled by slotserve.kernels.cuda.sm90a (MLX's cuda_kernel compiles
+// for sm_90, where wgmma does not exist) after common.cuh, cp_async.cuh, mma.cuh and
+// q4_matmul.cuh, with KSPLIT and RESID (q4_gemm.cu's template values) and KERNEL_NAME
+// defined (sources.q4_wgmma).
+//
+// The bits: bench/wgmma_probe.py found wgmma's k16 steps give mma.sync's float32 bits
+// (H100, every element of 1-, 4- and 16-step products); the rest is q4_gemm's order.
+//
+// As in q4_gemm.cu, a block of 256 threads takes 128 rows x 128 columns, x and the packed
+// weights staged a 128-wide chunk of K at a time (a cp.async ring of two). Unlike it, each
+// thread dequantizes the codes it copied as they land, once for the block, into wgmma's
+// layout for B (K-major, no swizzle: core matrices of 8 columns x 8 k, 128 bytes; a k16
+// step's two k halves 128 bytes apart, its 16 column groups 256 apart, its 4 KB after the
+// step before), and each of the two warpgroups multiplies its 64 rows by all 128 columns:
+// a warp's 16 rows of x are the A fragments mma.sync takes (from registers), the group's
+// four k16 steps sum into tmp from zero, and tmp is scaled into the accumulators as
+// group_mma does. The row sums stay on mma.sync (row_sums).
+
+// d (64 floats: n8 tile j at d[4j..4j+3], mma.sync's C layout) += a (this warp's 16 rows of
+// one k16 step, mma.sync's A fragment) times the 128 x 16 B at desc
+__device__ __forceinline__ void wgmma_m64n128k16(float* d, const uint32_t* a, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+        "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
+                   const __nv_bfloat16* res, __nv_bfloat16* y, int M, int K, int N) {
+  constexpr int BM = 128, TILES = 16, XROW = 136, STAGES = 2;
+  const int chunks = K / 128;
+  const int per_range = chunks / KSPLIT;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_blocks = (M + BM - 1) / BM;
+  const int m0 = (blockIdx.x % row_blocks) * BM;
+  const int tile0 = (blockIdx.x / row_blocks) * TILES;
+
+  extern __shared__ uint4 smem[];
+  constexpr int XS = BM * XROW / 8, WS = TILES * 36, DS = 2048;  // in uint4
+  auto xstage = [&](int s) { return reinterpret_cast<__nv_bfloat16*>(smem + s * (XS + WS)); };
+  auto wstage = [&](int s) { return smem + s * (XS + WS) + XS; };
+  // chunk ch's codes as bf16 in wgmma's B layout, two buffers (32 KB each, 128-byte aligned)
+  auto dstage = [&](int ch) { return smem + STAGES * (XS + WS) + (ch & 1) * DS; };
+  float* totals = reinterpret_cast<float*>(smem + STAGES * (XS + WS) + 2 * DS);
+
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* wv = reinterpret_cast<const uint4*>(wp);
+  const uint4* sv = reinterpret_cast<const uint4*>(sp);
+  auto issue = [&](int ch) {
+    if (ch < chunks) {
+      const int s = ch % STAGES;
+      __nv_bfloat16* xd = xstage(s);
+      for (int e = threadIdx.x; e < BM * 16; e += 256) {
+        const int r = e >> 4, q = e & 15;
+        uint4* dst = reinterpret_cast<uint4*>(xd + r * XROW) + q;
+        if (m0 + r < M) {
+          cp_async16(dst, xv + ((size_t)(m0 + r) * K + ch * 128) / 8 + q);
+        } else {
+          *dst = make_uint4(0, 0, 0, 0);
+        }
+      }
+      uint4* wd = wstage(s);
+      for (int e = threadIdx.x; e < WS; e += 256) {
+        const int tl = e / 36, q = e % 36;
+        const size_t piece = (size_t)(tile0 + tl) * chunks + ch;
+        cp_async16(wd + e, q < 32 ? wv + piece * 32 + q : sv + piece * 4 + (q - 32));
+      }
+    }
+    cp_async_commit();
+  };
+  // the codes this thread copied of chunk ch, dequantized: lane q = 4 g' + t' of tile tl
+  // holds column 8 tl + g' at k-slots 2t', 2t' + 1 (word 2s of dequant8's step s) and
+  // 2t' + 8, 2t' + 9 (word 2s + 1); then made visible to wgmma's reads (the async proxy)
+  auto dequant = [&](int ch) {
+    if (ch < chunks) {
+      const uint4* wd = wstage(ch % STAGES);
+      uint32_t* dd = reinterpret_cast<uint32_t*>(dstage(ch));
+      for (int e = threadIdx.x; e < WS; e += 256) {
+        const int tl = e / 36, q = e % 36;
+        if (q < 32) {
+          const uint4 w = wd[e];
+#pragma unroll
+          for (int par = 0; par < 2; ++par) {
+            uint32_t b[8];
+            dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, b);
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                dd[(4 * par + s) * 1024 + tl * 64 + h * 32 + q] = b[2 * s + h];
+          }
+        }
+      }
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  };
+  auto total = [&](int j, int c) -> float& { return totals[(j * 4 + c) * 256 + threadIdx.x]; };
+  float acc[TILES][4];
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  unsigned dbase;  // dstage(0)'s shared address
+  asm("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }" : "=r"(dbase)
+      : "l"(dstage(0)));
+
+  issue(0);
+  cp_async_wait<0>();
+  dequant(0);
+#pragma unroll 1
+  for (int ch = 0; ch < chunks; ++ch) {
+    __syncthreads();
+    issue(ch + 1);
+    const int s = ch % STAGES;
+    const __nv_bfloat16* xt = xstage(s) + (warp * 16) * XROW;
+    const uint4* wt = wstage(s);
+#pragma unroll 1
+    for (int par = 0; par < 2; ++par) {
+      // this warp's 16 rows of the group, k = 64 par + 16t .. + 15 (as fetch_x)
+      const uint4* p0 = reinterpret_cast<const uint4*>(xt + g * XROW + par * 64 + 16 * t);
+      const uint4* p1 = reinterpret_cast<const uint4*>(xt + (g + 8) * XROW + par * 64 + 16 * t);
+      const uint4 r00 = p0[0], r01 = p0[1], r10 = p1[0], r11 = p1[1];
+      const uint32_t A0[8] = {r00.x, r00.y, r00.z, r00.w, r01.x, r01.y, r01.z, r01.w};
+      const uint32_t A1[8] = {r10.x, r10.y, r10.z, r10.w, r11.x, r11.y, r11.z, r11.w};
+      uint32_t xa[4][4];
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        xa[st][0] = A0[2 * st]; xa[st][1] = A1[2 * st];
+        xa[st][2] = A0[2 * st + 1]; xa[st][3] = A1[2 * st + 1];
+      }
+      float tmp[64];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) tmp[i] = 0.0f;
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const unsigned at = dbase + (ch & 1) * DS * 16 + (4 * par + st) * 4096;
+        const uint64_t desc = (uint64_t)((at & 0x3FFFFu) >> 4) | ((uint64_t)(128 >> 4) << 16)
+                              | ((uint64_t)(256 >> 4) << 32);
+        wgmma_m64n128k16(tmp, xa[st], desc);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      float xs0, xs1;
+      row_sums(xa, xs0, xs1);
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+      for (int j = 0; j < TILES; ++j) {
+        const uint4 sc = wt[j * 36 + 32 + t];
+        const uint32_t sb0 = par ? sc.z : sc.x, sb1 = par ? sc.w : sc.y;
+        const float s0 = bf_lo(sb0), b0 = bf_hi(sb0), s1 = bf_lo(sb1), b1 = bf_hi(sb1);
+        acc[j][0] = __fmaf_rn(s0, tmp[4 * j], __fmaf_rn(b0, xs0, acc[j][0]));
+        acc[j][1] = __fmaf_rn(s1, tmp[4 * j + 1], __fmaf_rn(b1, xs0, acc[j][1]));
+        acc[j][2] = __fmaf_rn(s0, tmp[4 * j + 2], __fmaf_rn(b0, xs1, acc[j][2]));
+        acc[j][3] = __fmaf_rn(s1, tmp[4 * j + 3], __fmaf_rn(b1, xs1, acc[j][3]));
+      }
+    }
+    if ((ch + 1) % per_range == 0) {
+      const bool first = ch + 1 == per_range;
+#pragma unroll
+      for (int j = 0; j < TILES; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          total(j, c) = first ? acc[j][c] : total(j, c) + acc[j][c];
+          acc[j][c] = 0.0f;
+        }
+    }
+    cp_async_wait<0>();
+    dequant(ch + 1);
+  }
+
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = m0 + warp * 16 + g + (c >= 2 ? 8 : 0);
+      const int col = (tile0 + j) * 8 + 2 * t + (c & 1);
+      if (row >= M) continue;
+      const size_t at = (size_t)row * N + col;
+      const __nv_bfloat16 v = __float2bfloat16(total(j, c));
+      y[at] = RESID ? __float2bfloat16(__bfloat162float(v) + __bfloat162float(res[at])) : v;
+    }
+}

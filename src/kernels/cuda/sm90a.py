@@ -1,0 +1,75 @@
+"""Kernels built for sm_90a (Hopper's architecture-specific features: wgmma) and launched
+through mx.fast.precompiled_cuda_kernel.
+
+MLX's cuda_kernel compiles with NVRTC for `sm_<major><minor>` (sm_90 on an H100), where
+ptxas rejects wgmma. This compiles a whole kernel (an `extern "C"` function) with the same
+NVRTC library MLX has loaded, for sm_90a, with MLX's include paths, once per source text a
+process, and hands the cubin to MLX, which launches it like its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+
+
+@cache
+def _nvrtc() -> ctypes.CDLL:
+    """The NVRTC library MLX compiles its kernels with (loaded by its first kernel)."""
+    def mapped() -> list[str]:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            return sorted({line.split()[-1] for line in maps
+                           if "libnvrtc" in line and "/" in line and "builtins" not in line})
+
+    if not mapped():  # MLX loads NVRTC when it first compiles a kernel
+        k = mx.fast.cuda_kernel(name="slotserve_nvrtc_load", input_names=["a"],
+                                output_names=["b"], source="b[0] = a[0];")
+        mx.eval(k(inputs=[mx.zeros((1,), mx.float32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                  output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
+    paths = mapped()
+    if not paths:
+        raise RuntimeError("MLX has not loaded libnvrtc")
+    return ctypes.CDLL(paths[0])
+
+
+@cache
+def available() -> bool:
+    """Whether the default device has wgmma: Hopper (sm_90, built for as sm_90a). Blackwell
+    and later drop it, Ampere and Ada never had it."""
+    return mx.device_info().get("architecture") == "sm_90"
+
+
+def _include_paths() -> list[str]:
+    """Where MLX's NVRTC finds the CUDA and CCCL headers (mlx/backend/cuda/jit_module.cpp)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    cccl = Path(mx.__file__).parent / "include" / "cccl"
+    return [f"{home}/include", *([str(cccl)] if cccl.is_dir() else [])]
+
+
+@cache
+def cubin(source: str) -> bytes:
+    """source compiled for sm_90a; RuntimeError with NVRTC's log where it does not compile."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"slotserve.cu", 0, None,
+                              None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    options = [b"--gpu-architecture=sm_90a", b"--std=c++17",
+               *(f"--include-path={p}".encode() for p in _include_paths())]
+    status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if status:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')}")
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    out = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetCUBIN(prog, out)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return out.raw
