@@ -124,7 +124,8 @@ def prefill_attention(ctx: int, chunk: int = 1024, heads: int = 32, kv_heads: in
                       head_dim: int = 128) -> None:
     """One layer's attention for the last `chunk` rows of a ctx-token prompt (Llama-3-8B's
     heads), in the tiles and the form (launch.attention_merge) the engine would give that
-    prefill step: timed here (gpu_bench._timed) and launched once behind a marker for ncu."""
+    prefill step: timed here (gpu_bench._timed), checked against each row attended alone (a
+    decode step's form: same_bits), and launched once behind a marker for ncu."""
     import mlx.core as mx
     from gpu_bench import _timed, long_attention_inputs
 
@@ -144,8 +145,12 @@ def prefill_attention(ctx: int, chunk: int = 1024, heads: int = 32, kv_heads: in
 
     ms = _timed(run) * 1e3
     flops = 4 * heads * head_dim * sum(p + 1 for p in positions)
+    # the bits: each row as a decode step would attend it (a tile a row: the narrow blocks)
+    alone = cuda.paged_attention(a["q"], a["kpool"], a["vpool"], a["tables"], a["row_table"],
+                                 a["row_pos"], head_dim**-0.5)
     print(json.dumps({"ctx": ctx, "chunk": chunk, "merge": merge, "ms": round(ms, 3),
-                      "tflops": round(flops / ms / 1e9, 1)}))
+                      "tflops": round(flops / ms / 1e9, 1),
+                      "same_bits": mx.array_equal(run(), alone).item()}))
     with _profiled():
         _marker(f"attn{ctx}")
         mx.eval(run())
