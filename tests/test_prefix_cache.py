@@ -37,8 +37,11 @@ def _first(name: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"My name is {name}. {FACTS[name]} Remember my name."}]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_slot() -> Any:
+    # per test, not per module: an engine left alive beside another one in the process
+    # (the preemption tests below make their own) slows that one's CPU kernels about 3x
+    # (two OpenMP teams on a 2-core machine: libgomp stops its workers spinning)
     h = EngineHarness(max_slots=1, max_queue=4)
     yield h
     h.close()
