@@ -15,6 +15,9 @@ from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
+import structlog
+
+log = structlog.get_logger(__name__)
 
 
 @cache
@@ -36,18 +39,42 @@ def _nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(paths[0])
 
 
+# the headers every sm_90a kernel here includes, compiled once to see that NVRTC finds them
+_PROBE = """#include <cuda_bf16.h>
+extern "C" __global__ void slotserve_sm90a_probe(__nv_bfloat16* y) {
+  y[0] = __float2bfloat16(1.0f);
+}
+"""
+
+
 @cache
 def available() -> bool:
-    """Whether the default device has wgmma: Hopper (sm_90, built for as sm_90a). Blackwell
-    and later drop it, Ampere and Ada never had it."""
-    return mx.device_info().get("architecture") == "sm_90"
+    """Whether kernels built here run on the default device: Hopper (sm_90, built for as
+    sm_90a; Blackwell and later drop wgmma, Ampere and Ada never had it) where NVRTC builds
+    for sm_90a with the headers MLX uses. Where it cannot, a warning says why and callers
+    keep their mma.sync kernels (the same bits, slower)."""
+    if mx.device_info().get("architecture") != "sm_90":
+        return False
+    try:
+        cubin(_PROBE)
+    except (RuntimeError, OSError) as e:
+        log.warning("sm_90a kernels unavailable: NVRTC cannot build them", error=str(e))
+        return False
+    return True
 
 
 def _include_paths() -> list[str]:
-    """Where MLX's NVRTC finds the CUDA and CCCL headers (mlx/backend/cuda/jit_module.cpp)."""
+    """Where MLX's NVRTC finds the CCCL and CUDA headers, in its order
+    (mlx/backend/cuda/jit_module.cpp): the CCCL bundled with mlx, then the CUDA runtime's
+    headers of the pip package beside it, else the toolkit's (CUDA_HOME, CUDA_PATH,
+    /usr/local/cuda)."""
+    root = Path(mx.__file__).parent
+    paths = [p for p in (root / "include" / "cccl",) if p.is_dir()]
+    pip_runtime = root.parent / "nvidia" / "cuda_runtime" / "include"
+    if pip_runtime.is_dir():
+        return [str(p) for p in (*paths, pip_runtime)]
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    cccl = Path(mx.__file__).parent / "include" / "cccl"
-    return [f"{home}/include", *([str(cccl)] if cccl.is_dir() else [])]
+    return [str(p) for p in (*paths, Path(home) / "include")]
 
 
 @cache
