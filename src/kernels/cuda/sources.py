@@ -50,7 +50,8 @@ KERNELS: dict[str, KernelSource] = {
                               ("cp_async.cuh", "mma.cuh", "norm_row.cuh",
                                "q4_matmul.cuh")),
     "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu",
-                            ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh")),
+                            ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh"),
+                            fragments=(("@STAGE@", "q4_gemm_stage.cu"),)),
     "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
     "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out", "scratch"),
                                     "paged_attention.cu", (*_ATTENTION_HEADERS, "split_fold.cuh"),
@@ -154,5 +155,7 @@ def q4_wgmma(ksplit: int, resid: bool) -> tuple[str, str]:
             "#define uint64_t unsigned long long\n"
             f"#define KSPLIT {ksplit}\n#define RESID {'true' if resid else 'false'}\n"
             f"#define KERNEL_NAME {name}\n")
-    files = ("common.cuh", "cp_async.cuh", "mma.cuh", "q4_matmul.cuh", "q4_wgmma.cu")
-    return name, head + compact("".join(_read(f) for f in files))
+    headers = "".join(_read(f) for f in ("common.cuh", "cp_async.cuh", "mma.cuh",
+                                          "q4_matmul.cuh"))
+    body = _substitute(_read("q4_wgmma.cu"), "@STAGE@", _read("q4_gemm_stage.cu"))
+    return name, head + compact(headers + body)
