@@ -125,15 +125,7 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
       // this warp's 16 rows of the group, k = 64 par + 16t .. + 15 (as fetch_x)
       const uint4* p0 = reinterpret_cast<const uint4*>(xt + g * XROW + par * 64 + 16 * t);
       const uint4* p1 = reinterpret_cast<const uint4*>(xt + (g + 8) * XROW + par * 64 + 16 * t);
-      const uint4 r00 = p0[0], r01 = p0[1], r10 = p1[0], r11 = p1[1];
-      const uint32_t A0[8] = {r00.x, r00.y, r00.z, r00.w, r01.x, r01.y, r01.z, r01.w};
-      const uint32_t A1[8] = {r10.x, r10.y, r10.z, r10.w, r11.x, r11.y, r11.z, r11.w};
-      uint32_t xa[4][4];
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        xa[st][0] = A0[2 * st]; xa[st][1] = A1[2 * st];
-        xa[st][2] = A0[2 * st + 1]; xa[st][3] = A1[2 * st + 1];
-      }
+@XA@
       float tmp[64];
 #pragma unroll
       for (int i = 0; i < 64; ++i) tmp[i] = 0.0f;

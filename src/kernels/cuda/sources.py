@@ -51,7 +51,8 @@ KERNELS: dict[str, KernelSource] = {
                                "q4_matmul.cuh")),
     "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu",
                             ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh"),
-                            fragments=(("@STAGE@", "q4_gemm_stage.cu"),)),
+                            fragments=(("@STAGE@", "q4_gemm_stage.cu"),
+                                       ("@XA@", "q4_gemm_xa.cu"))),
     "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
     "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out", "scratch"),
                                     "paged_attention.cu", (*_ATTENTION_HEADERS, "split_fold.cuh"),
@@ -157,5 +158,7 @@ def q4_wgmma(ksplit: int, resid: bool) -> tuple[str, str]:
             f"#define KERNEL_NAME {name}\n")
     headers = "".join(_read(f) for f in ("common.cuh", "cp_async.cuh", "mma.cuh",
                                           "q4_matmul.cuh"))
-    body = _substitute(_read("q4_wgmma.cu"), "@STAGE@", _read("q4_gemm_stage.cu"))
+    body = _read("q4_wgmma.cu")
+    for marker, fragment in (("@STAGE@", "q4_gemm_stage.cu"), ("@XA@", "q4_gemm_xa.cu")):
+        body = _substitute(body, marker, _read(fragment))
     return name, head + compact(headers + body)
