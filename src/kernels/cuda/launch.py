@@ -161,14 +161,18 @@ def q4_gemm_shared_bytes() -> int:
     """Dynamic shared memory of a q4_gemm launch: GEMM_STAGES stages of a 128-row x tile
     (rows padded to 136) and 16 column tiles' weights and scales, then the K ranges'
     running sums (64 floats a thread)."""
-    return GEMM_STAGES * (128 * 136 * 2 + 16 * 36 * 16) + 64 * 256 * 4
+    return GEMM_STAGES * _GEMM_STAGE_BYTES + _GEMM_SUMS_BYTES
+
+
+_GEMM_STAGE_BYTES = 128 * 136 * 2 + 16 * 36 * 16  # a 128-row x tile and 16 tiles' weights
+_GEMM_SUMS_BYTES = 64 * 256 * 4  # the K ranges' running sums, 64 floats a thread
 
 
 def q4_wgmma_shared_bytes() -> int:
-    """Dynamic shared memory of a q4_wgmma launch: q4_gemm's stages (a ring of 2), two
-    chunks' codes dequantized into wgmma's B layout (bf16, 32 KB each), then the running
+    """Dynamic shared memory of a q4_wgmma launch: q4_gemm's stages (its own ring of 2),
+    two chunks' codes dequantized into wgmma's B layout (bf16, 32 KB each), then the running
     sums."""
-    return 2 * (128 * 136 * 2 + 16 * 36 * 16) + 2 * 16 * 128 * 16 + 64 * 256 * 4
+    return 2 * _GEMM_STAGE_BYTES + 2 * 16 * 128 * 16 + _GEMM_SUMS_BYTES
 
 
 def rms_threads(k: int) -> int:

@@ -69,12 +69,12 @@ def _include_paths() -> list[str]:
     headers of the pip package beside it, else the toolkit's (CUDA_HOME, CUDA_PATH,
     /usr/local/cuda)."""
     root = Path(mx.__file__).parent
-    paths = [p for p in (root / "include" / "cccl",) if p.is_dir()]
-    pip_runtime = root.parent / "nvidia" / "cuda_runtime" / "include"
-    if pip_runtime.is_dir():
-        return [str(p) for p in (*paths, pip_runtime)]
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    return [str(p) for p in (*paths, Path(home) / "include")]
+    cccl = root / "include" / "cccl"
+    runtime = root.parent / "nvidia" / "cuda_runtime" / "include"
+    if not runtime.is_dir():
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        runtime = Path(home) / "include"
+    return [str(p) for p in ([cccl] if cccl.is_dir() else []) + [runtime]]
 
 
 @cache
@@ -90,11 +90,11 @@ def cubin(source: str) -> bytes:
     status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
+    messages = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, messages)
     if status:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')}")
+        raise RuntimeError(f"NVRTC: {messages.value.decode(errors='replace')}")
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
     out = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetCUBIN(prog, out)
