@@ -113,10 +113,11 @@
   uint4* const vs = staged + 128 * KW;
   constexpr int SW = 132;  // floats a row of S (padded)
   float* const ss = reinterpret_cast<float*>(staged + 256 * KW);
-  // key block jb's K or V rows up to pos_max copied in (all in flight at once, cp.async),
-  // one commit group; V rows past them zeroed (p is 0 there, and 0 * NaN would not be)
-  auto stage = [&](uint4* dst, const T* pool, int jb, bool zero_tail) {
-    const size_t blk = (size_t)table[jb * HKV + h] * 128;
+  // key block jb (pool block `page`) K or V rows up to pos_max copied in (all in flight at
+  // once, cp.async), one commit group; V rows past them zeroed (p is 0 there, and 0 * NaN
+  // would not be)
+  auto stage = [&](uint4* dst, const T* pool, int jb, int page, bool zero_tail) {
+    const size_t blk = (size_t)page * 128;
     const int n = min(128, pos_max + 1 - jb * 128);
     const uint4* src = reinterpret_cast<const uint4*>(pool + blk * D);
     for (int e = tid; e < n * (D / 8); e += 128)
@@ -128,8 +129,9 @@
   };
   // the first key block's copies fly while the query is read (and rotated)
   if (jb_first <= jb_last) {
-    stage(ks, kpool, jb_first, false);
-    stage(vs, vpool, jb_first, true);
+    const int page = table[jb_first * HKV + h];
+    stage(ks, kpool, jb_first, page, false);
+    stage(vs, vpool, jb_first, page, true);
   }
 @Q@
   __syncthreads();
@@ -142,6 +144,9 @@
   const uint32_t* k32 = reinterpret_cast<const uint32_t*>(ks);
   for (int jb = jb_first; jb <= jb_last; ++jb) {
     const bool more = jb < jb_last;
+    // the next key block's pool block, read while this one's S is summed (read where it is
+    // staged, each stage had waited on it)
+    const int next_page = more ? table[(jb + 1) * HKV + h] : 0;
     cp_async_wait<1>();  // this block's K (its V may still be in flight)
 @PATCH_K@
     __syncthreads();
@@ -175,7 +180,7 @@
       for (int j = 0; j < 16; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) s[j][c] = ss[(g + 8 * (c >> 1)) * SW + 8 * j + 2 * t4 + (c & 1)];
-    if (more) stage(ks, kpool, jb + 1, false); else cp_async_commit();
+    if (more) stage(ks, kpool, jb + 1, next_page, false); else cp_async_commit();
     float alpha[2];
     if (active) {
       // mask and scale, each row's max over the block (exact in any order), the new
@@ -247,7 +252,7 @@
       }
     }
     __syncthreads();  // every warp is done with this block's V
-    if (more) stage(vs, vpool, jb + 1, true); else cp_async_commit();
+    if (more) stage(vs, vpool, jb + 1, next_page, true); else cp_async_commit();
     if (MERGE && more && jb % SPLIT_BLOCKS == SPLIT_BLOCKS - 1) fold_split();
   }
 @OUT@
