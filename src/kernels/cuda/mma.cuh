@@ -15,6 +15,16 @@ __device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// four 8x8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of
+// matrix l / 8 and gets, of each matrix i, (row g, columns 2t, 2t + 1) in r[i] (an mma A
+// fragment's four words, or two B fragments of a column-major B stored as N x K rows)
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
 // four 8x8 bf16 matrices from shared memory, transposed: lane l gives the address of row
 // l % 8 of matrix l / 8 and gets, of each matrix i, (row 2t, column g) and (row 2t + 1,
 // column g) in r[i] (an mma B fragment of a row-major K x N matrix)

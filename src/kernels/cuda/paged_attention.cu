@@ -140,8 +140,14 @@
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 @FOLD@
-  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(&qs[mwarp * 16][0]);
-  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(ks);
+  // ldmatrix addresses: this lane's row of the warp's query fragment (matrices: rows 0-7
+  // and 8-15 of dimensions 0-7, then of 8-15) and of a key-tile pair's K (keys 0-7 of
+  // dimensions 0-7 and 8-15, then keys 8-15): one ldmatrix gives an mma step's A fragment,
+  // or the B fragments of two key tiles
+  const int lm = lane >> 3, lr = lane & 7;
+  const __nv_bfloat16* q_lane = &qs[mwarp * 16 + lr + 8 * (lm & 1)][8 * (lm >> 1)];
+  const __nv_bfloat16* k_lane =
+      reinterpret_cast<const __nv_bfloat16*>(ks) + (8 * (lm >> 1) + lr) * (KW * 8) + 8 * (lm & 1);
   for (int jb = jb_first; jb <= jb_last; ++jb) {
     const bool more = jb < jb_last;
     // the next key block's pool block, read while this one's S is summed (read where it is
@@ -156,15 +162,15 @@
     if (active) {
 #pragma unroll
       for (int ds = 0; ds < D / 16; ++ds) {
-        const uint32_t a0 = q32[g * (QW / 2) + 8 * ds + t4];
-        const uint32_t a1 = q32[(g + 8) * (QW / 2) + 8 * ds + t4];
-        const uint32_t a2 = q32[g * (QW / 2) + 8 * ds + 4 + t4];
-        const uint32_t a3 = q32[(g + 8) * (QW / 2) + 8 * ds + 4 + t4];
+        uint32_t a[4];
+        ldmatrix_x4(a, q_lane + 16 * ds);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < 16; j += 2) {
           if (NARROW && j / 4 != warp) continue;
-          const uint32_t* kr = k32 + (8 * j + g) * (KW * 4) + 8 * ds + t4;
-          mma_bf16(s[j], a0, a1, a2, a3, kr[0], kr[4]);
+          uint32_t b[4];  // key tiles j and j + 1
+          ldmatrix_x4(b, k_lane + (8 * j) * (KW * 8) + 16 * ds);
+          mma_bf16(s[j], a[0], a[1], a[2], a[3], b[0], b[1]);
+          mma_bf16(s[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
         }
       }
       if (NARROW)
@@ -187,15 +193,30 @@
       // running max; p rounded to bf16 (what P V multiplies) and summed in a fixed order
       const int key0 = jb * 128 + 2 * t4;
       float bmax[2] = {neg_inf(), neg_inf()};
+      // a key block inside every one of the warp's rows' ranges (the rows of a long
+      // prompt's walk but its last blocks) has no key to mask: the same products, without
+      // the per-key tests
+      const bool inside = __all_sync(0xffffffffu, jb * 128 >= max(m_lo[0], m_lo[1]) &&
+                                                      jb * 128 + 127 <= min(m_pos[0], m_pos[1]));
+      if (inside) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+        for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int e = c >> 1, key = key0 + 8 * j + (c & 1);
-          const bool valid = key >= m_lo[e] && key <= m_pos[e];
-          s[j][c] = valid ? s[j][c] * scale : neg_inf();
-          bmax[e] = fmaxf(bmax[e], s[j][c]);
-        }
+          for (int c = 0; c < 4; ++c) {
+            s[j][c] *= scale;
+            bmax[c >> 1] = fmaxf(bmax[c >> 1], s[j][c]);
+          }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int e = c >> 1, key = key0 + 8 * j + (c & 1);
+            const bool valid = key >= m_lo[e] && key <= m_pos[e];
+            s[j][c] = valid ? s[j][c] * scale : neg_inf();
+            bmax[e] = fmaxf(bmax[e], s[j][c]);
+          }
+      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         bmax[e] = fmaxf(bmax[e], __shfl_xor_sync(0xffffffffu, bmax[e], 1));
