@@ -53,6 +53,10 @@
 #          context $ATTENTION_CTX, default 1,024: the split launch; up to 511 the whole one)
 #   prefill_attention  one layer's attention for the last 1,024 rows of $PREFILL_CTX-token
 #          prompts (default 4096,16384), timed, and ncu's detailed sections for the last
+#   prefill_gemm  the 4-bit matmul launches at $GEMM_ROWS (default 1024) rows on the 8B
+#          projections (q4_wgmma on Hopper), timed, and where each one's warps wait: ncu's
+#          per-instruction SASS page summed by bench/sass_hotspots.py (not in the default
+#          list; no checkpoint; prefill_attention ends with the same for its kernel)
 #   sass   the 1-row gate+up launch's SASS with per-instruction counts and its warp states;
 #          the same for the attention launch of a 1-row decode step at $ATTENTION_CTX, with
 #          per-instruction stall samples (ncu)
@@ -401,6 +405,16 @@ ncu_report() {
     > "$OUT/$file" 2>&1 || true
 }
 
+# ncu's per-instruction SASS page of the kernels picked ($1: the CSV under $OUT, the rest:
+# ncu's kernel filter and the command), then where their warps wait (sass_hotspots.py)
+sass_report() {
+  local file=$1; shift
+  ncu_report "$file" --section SourceCounters --section WarpStateStats --import-source no \
+    --page source --print-source sass --csv "$@" &&
+  grep '^{' "$OUT/$file"
+  $PY bench/sass_hotspots.py "$OUT/$file" || true
+}
+
 if want profile; then
   # PROFILE_MODEL: another checkpoint (e.g. hybrid_decode's qwen3.5-35b-a3b-mlx4-8l)
   # PROFILE_CTX: prompt tokens per slot, one profile each (default 128: profile.json; any
@@ -445,6 +459,14 @@ if want prefill_attention; then
     -k regex:"$ATTENTION_KERNELS" -c 1 $PY bench/gpu_profile.py --prefill-attention "${PREFILL_CTX##*,}" &&
   grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall|Pipe" \
     "$OUT/prefill_attention.txt" | cut -c1-220 | head -80
+  sass_report prefill_attention_sass.csv -k regex:"$ATTENTION_KERNELS" -c 1 \
+    $PY bench/gpu_profile.py --prefill-attention "${PREFILL_CTX##*,}"
+fi
+
+if want prefill_gemm; then
+  stage "prefill_gemm: the 4-bit matmul launches at ${GEMM_ROWS:=1024} rows on the 8B projections, timed; where each launch's warps wait (ncu's SASS page)"
+  sass_report prefill_gemm_sass.csv -k regex:"slotserve_q4_(wgmma|gemm)" -c 4 \
+    $PY bench/gpu_profile.py --gemm-timing --rows "$GEMM_ROWS"
 fi
 
 if want sass; then
