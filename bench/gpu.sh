@@ -50,16 +50,17 @@
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #          ($DETAIL_ARGS: gpu_profile.py --launches arguments, default --rule-only --rows 1,64)
 #   attention_detail  the same for the attention launch of a 1-row decode step (2 layers;
-#          context $ATTENTION_CTX, default 1,024: the split launch; up to 511 the whole one)
+#          context: the first of $ATTENTION_CTX, default 1,024: the split launch; up to 511
+#          the whole one)
 #   prefill_attention  one layer's attention for the last 1,024 rows of $PREFILL_CTX-token
 #          prompts (default 4096,16384), timed, and ncu's detailed sections for the last
 #   prefill_gemm  the 4-bit matmul launches at $GEMM_ROWS (default 1024) rows on the 8B
 #          projections (q4_wgmma on Hopper), timed, and where each one's warps wait: ncu's
 #          per-instruction SASS page summed by bench/sass_hotspots.py (not in the default
 #          list; no checkpoint; prefill_attention ends with the same for its kernel)
-#   sass   the 1-row gate+up launch's SASS with per-instruction counts and its warp states;
-#          the same for the attention launch of a 1-row decode step at $ATTENTION_CTX, with
-#          per-instruction stall samples (ncu)
+#   sass   where the warps of the 1-row gate+up launch and of a 1-row decode step's
+#          attention launch (at each context of $ATTENTION_CTX, e.g. "1024 16384") wait:
+#          ncu's per-instruction SASS page, summed by bench/sass_hotspots.py
 #   micro  gpu_bench.py --micro: 4-bit vs bf16 matmul by rows; paged attention; one long
 #          row's attention by split size; the device sampler by rows ($MICRO_PARTS picks)
 #   bf16   random-weight llama3-8b in bf16 (synth) and the same gpu_bench sweep on it
@@ -445,7 +446,7 @@ fi
 if want attention_detail; then
   stage "attention_detail: ncu's detailed sections for the attention in a 1-row decode step"
   if ncu_report attention_detail.txt --set detailed -k regex:"$ATTENTION_KERNELS" -c 2 \
-      $PY bench/gpu_profile.py "$LLAMA" --rows 1 --ctx "$ATTENTION_CTX"; then
+      $PY bench/gpu_profile.py "$LLAMA" --rows 1 --ctx "${ATTENTION_CTX%% *}"; then
     grep -E "slotserve_paged|Duration|DRAM Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy|stall|Stall" \
       "$OUT/attention_detail.txt" | cut -c1-220 | head -60
   fi
@@ -470,18 +471,13 @@ if want prefill_gemm; then
 fi
 
 if want sass; then
-  stage "sass: the 1-row gate+up launch's SASS with executed counts, warp states (ncu)"
-  ncu_report sass_q4.txt --section SourceCounters --section WarpStateStats \
-    --section InstructionStats -k regex:slotserve_q4_matmul_1_4_8_2 -c 1 \
-    --page source --print-source sass $PY bench/gpu_profile.py "$LLAMA" --rows 1 &&
-  ncu_report warp_states.txt --section WarpStateStats --section SchedulerStats \
-    --section InstructionStats -k regex:slotserve_q4_matmul_1_4_8_2 \
-    -c 1 $PY bench/gpu_profile.py "$LLAMA" --rows 1 &&
-  ncu_report sass_attention.txt --section SourceCounters --section WarpStateStats \
-    --section SchedulerStats -k regex:"$ATTENTION_KERNELS" -c 1 \
-    --page source --print-source sass $PY bench/gpu_profile.py "$LLAMA" --rows 1 \
-    --ctx "$ATTENTION_CTX" &&
-  wc -l "$OUT/sass_q4.txt" "$OUT/warp_states.txt" "$OUT/sass_attention.txt"
+  stage "sass: where the warps of a 1-row decode step's gate+up and attention launches wait (ncu's SASS page, bench/sass_hotspots.py)"
+  sass_report sass_q4.csv -k regex:slotserve_q4_matmul_1_4_8_2 -c 1 \
+    $PY bench/gpu_profile.py "$LLAMA" --rows 1
+  for ctx in $ATTENTION_CTX; do
+    sass_report "sass_attention_ctx$ctx.csv" -k regex:"$ATTENTION_KERNELS" -c 1 \
+      $PY bench/gpu_profile.py "$LLAMA" --rows 1 --ctx "$ctx"
+  done
 fi
 
 if want micro; then
