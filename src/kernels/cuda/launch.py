@@ -157,15 +157,15 @@ def q4_gemm(m: int, n: int) -> bool:
     return m >= GEMM_ROWS and n % 128 == 0 and -(-m // 128) * (n // 128) >= GEMM_BLOCKS
 
 
+_GEMM_STAGE_BYTES = 128 * 136 * 2 + 16 * 36 * 16  # a 128-row x tile and 16 tiles' weights
+_GEMM_SUMS_BYTES = 64 * 256 * 4  # the K ranges' running sums, 64 floats a thread
+
+
 def q4_gemm_shared_bytes() -> int:
     """Dynamic shared memory of a q4_gemm launch: GEMM_STAGES stages of a 128-row x tile
     (rows padded to 136) and 16 column tiles' weights and scales, then the K ranges'
     running sums (64 floats a thread)."""
     return GEMM_STAGES * _GEMM_STAGE_BYTES + _GEMM_SUMS_BYTES
-
-
-_GEMM_STAGE_BYTES = 128 * 136 * 2 + 16 * 36 * 16  # a 128-row x tile and 16 tiles' weights
-_GEMM_SUMS_BYTES = 64 * 256 * 4  # the K ranges' running sums, 64 floats a thread
 
 
 def q4_wgmma_shared_bytes() -> int:

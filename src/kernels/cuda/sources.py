@@ -45,14 +45,18 @@ _SPLIT = (("@BLOCK@", "attention_split_block.cu"), ("@PAD@", "attention_split_pa
 _ROPE: dict[str, Any] = {"query": "rope_attention_query.cu",
          "patch": ("rope_attention_patch_k.cu", "rope_attention_patch_v.cu")}
 
+# q4_gemm.cu's and q4_wgmma.cu's headers and shared fragments (the staging, x's fragments)
+_Q4_GEMM: dict[str, Any] = {
+    "headers": ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh"),
+    "fragments": (("@STAGE@", "q4_gemm_stage.cu"), ("@XA@", "q4_gemm_xa.cu"))}
+
 KERNELS: dict[str, KernelSource] = {
     "q4_matmul": KernelSource(("x", "wp", "sp", "res", "nw"), ("y",), "q4_matmul.cu",
                               ("cp_async.cuh", "mma.cuh", "norm_row.cuh",
                                "q4_matmul.cuh")),
-    "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu",
-                            ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh"),
-                            fragments=(("@STAGE@", "q4_gemm_stage.cu"),
-                                       ("@XA@", "q4_gemm_xa.cu"))),
+    "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu", **_Q4_GEMM),
+    # not a cuda_kernel body but a whole kernel for sm_90a (q4_wgmma() below)
+    "q4_wgmma": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_wgmma.cu", **_Q4_GEMM),
     "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
     "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out", "scratch"),
                                     "paged_attention.cu", (*_ATTENTION_HEADERS, "split_fold.cuh"),
@@ -156,9 +160,5 @@ def q4_wgmma(ksplit: int, resid: bool) -> tuple[str, str]:
             "#define uint64_t unsigned long long\n"
             f"#define KSPLIT {ksplit}\n#define RESID {'true' if resid else 'false'}\n"
             f"#define KERNEL_NAME {name}\n")
-    headers = "".join(_read(f) for f in ("common.cuh", "cp_async.cuh", "mma.cuh",
-                                          "q4_matmul.cuh"))
-    body = _read("q4_wgmma.cu")
-    for marker, fragment in (("@STAGE@", "q4_gemm_stage.cu"), ("@XA@", "q4_gemm_xa.cu")):
-        body = _substitute(body, marker, _read(fragment))
-    return name, head + compact(headers + body)
+    body, header = source("q4_wgmma")
+    return name, head + header + body
