@@ -45,7 +45,8 @@
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
 #          (the synth llama3-8b, or $PROFILE_MODEL; rows $PROFILE_ROWS, default 1,64; context
 #          $PROFILE_CTX, default 128, several given: a profile each; $PROFILE_SPLIT: key
-#          blocks an attention split takes, default launch.SPLIT_BLOCKS)
+#          blocks an attention split takes, default launch.SPLIT_BLOCKS; $PROFILE_TREES:
+#          name=src pairs, each tree in turn, e.g. "main=.exp/main/src new=src")
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #          ($DETAIL_ARGS: gpu_profile.py --launches arguments, default --rule-only --rows 1,64)
@@ -420,12 +421,19 @@ if want profile; then
   # PROFILE_MODEL: another checkpoint (e.g. hybrid_decode's qwen3.5-35b-a3b-mlx4-8l)
   # PROFILE_CTX: prompt tokens per slot, one profile each (default 128: profile.json; any
   # other C: profile_ctxC.json)
-  for ctx in ${PROFILE_CTX:-128}; do
-    name=profile; [ "$ctx" = 128 ] || name=profile_ctx$ctx
-    stage "profile: one decode step kernel by kernel (ncu), ${PROFILE_ROWS:-1,64} rows, $ctx-token context"
-    ncu_stage "$name" bench/gpu_profile.py "${PROFILE_MODEL:-$LLAMA}" \
-      --rows "${PROFILE_ROWS:-1,64}" --ctx "$ctx" ${PROFILE_SPLIT:+--split-blocks "$PROFILE_SPLIT"}
-    [ -f "$OUT/$name.json" ] && { head -c 3000 "$OUT/$name.json"; echo; }
+  # PROFILE_TREES: name=src pairs (as KERNEL_AB_TREES), each tree profiled in turn at each
+  # context (profile_NAME[_ctxC].json): a decode kernel's change against main, kernel by kernel
+  for spec in ${PROFILE_TREES:-=src}; do
+    tree=${spec#*=} tag=${spec%%=*}
+    pkg=$(tree_pkg "${tag:-this}" "$tree")
+    for ctx in ${PROFILE_CTX:-128}; do
+      name=profile${tag:+_$tag}; [ "$ctx" = 128 ] || name=${name}_ctx$ctx
+      stage "profile: one decode step kernel by kernel (ncu), ${PROFILE_ROWS:-1,64} rows, $ctx-token context${tag:+, tree $tag ($tree)}"
+      PYTHONPATH=$pkg:$PYTHONPATH ncu_stage "$name" bench/gpu_profile.py \
+        "${PROFILE_MODEL:-$LLAMA}" --rows "${PROFILE_ROWS:-1,64}" --ctx "$ctx" \
+        ${PROFILE_SPLIT:+--split-blocks "$PROFILE_SPLIT"}
+      [ -f "$OUT/$name.json" ] && { head -c 3000 "$OUT/$name.json"; echo; }
+    done
   done
 fi
 
