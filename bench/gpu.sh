@@ -425,7 +425,7 @@ if want profile; then
   # context (profile_NAME[_ctxC].json): a decode kernel's change against main, kernel by kernel
   for spec in ${PROFILE_TREES:-=src}; do
     tree=${spec#*=} tag=${spec%%=*}
-    pkg=$(tree_pkg "${tag:-this}" "$tree")
+    pkg=/tmp/slotserve-pkg; [ -z "$tag" ] || pkg=$(tree_pkg "$tag" "$tree")  # default: src
     for ctx in ${PROFILE_CTX:-128}; do
       name=profile${tag:+_$tag}; [ "$ctx" = 128 ] || name=${name}_ctx$ctx
       stage "profile: one decode step kernel by kernel (ncu), ${PROFILE_ROWS:-1,64} rows, $ctx-token context${tag:+, tree $tag ($tree)}"
