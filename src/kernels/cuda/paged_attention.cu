@@ -66,14 +66,20 @@
   constexpr bool NARROW = TP * G <= 16;  // (launch.attention_narrow)
   constexpr int QROWS = NARROW ? 16 : 64;  // mma rows a block stages the queries of
 @BLOCK@
-  const int tile_first = tiles[tile];
-  const int tile_end = min(tile + 1 < NT ? tiles[tile + 1] : R, tile_first + TILE);
+  // a tile of one row (TILE 1: a decode step's launch, whose tiles are 0, 1, ..) is its
+  // own row: no tiles[] read in the chain of loads before the first K/V copy
+  const int tile_first = TILE == 1 ? tile : tiles[tile];
+  const int tile_end = TILE == 1 ? tile + 1
+                                 : min(tile + 1 < NT ? tiles[tile + 1] : R, tile_first + TILE);
   const int first = tile_first + sub * TP;
   if (first >= tile_end) return;
   const int nrows = min(TP, tile_end - first);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // the mma fragment's row and column pair
   const int mwarp = NARROW ? 0 : warp;  // the warp whose 16 mma rows this thread holds
+  // the first row's position is read beside its table (not after the padding test), so the
+  // block's key range waits on one load, not two in a row
+  const int pos_first = row_pos[first];
   const int tb = row_table[first];
   if (tb < 0) {
 @PAD@
@@ -83,7 +89,7 @@
   // the block's key range: from the first row's window start to the last row's position
   int pos_max = 0, lo_min = 0x7fffffff;
   for (int i = 0; i < nrows; ++i) {
-    const int p = row_pos[first + i];
+    const int p = i == 0 ? pos_first : row_pos[first + i];
     pos_max = max(pos_max, p);
     lo_min = min(lo_min, (WINDOW > 0 && p - WINDOW + 1 > 0) ? p - WINDOW + 1 : 0);
   }
