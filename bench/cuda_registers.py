@@ -153,10 +153,10 @@ def cases() -> list[tuple[str, str, list[tuple[str, Any]]]]:
         smem = launch.attention_shared_bytes(128, launch.attention_narrow(4, tile))
         out.append((f"{name} tile {tile}{' merge' if merge else ''}", name,
                     [("T", BF16), ("G", 4), ("D", 128), ("WINDOW", 0), ("TILE", tile),
-                     ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS), ("SINKS", False),
+                     *launch.split_template(), ("SINKS", False),
                      ("MERGE", merge), ("SMEM", smem)]))
     out.append(("attention_combine", "attention_combine",
-                [("G", 4), ("D", 128), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
+                [("G", 4), ("D", 128), *launch.split_template(),
                  ("SINKS", False)]))
     return out
 

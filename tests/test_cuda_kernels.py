@@ -29,6 +29,10 @@ pytestmark = [
     pytest.mark.skipif(not cuda.enabled(), reason="needs MLX with a CUDA GPU"),
 ]
 
+# key blocks (and keys) of a row's first attention split, and of its first two
+FIRST_SPLIT = launch.split_first_block(1)
+SPLIT1, SPLIT2 = FIRST_SPLIT * BLOCK, launch.split_first_block(2) * BLOCK
+
 
 def _q4(n_out: int, n_in: int, seed: int) -> tuple[tuple[mx.array, mx.array], mx.array]:
     w = mx.random.normal((n_out, n_in), key=mx.random.key(seed)) * n_in**-0.5
@@ -269,7 +273,7 @@ def test_paged_attention_tiles_keep_the_bits(group: int, head_dim: int, window: 
     ATTENTION_TILE, decode rows, padding) give the bits of the same rows a tile each, and
     of each row alone: which rows share a block's staged K/V never changes a bit."""
     hkv, d = 2, head_dim
-    cap = (launch.SPLIT_BLOCKS + 2) * BLOCK if splits > 1 else 3 * BLOCK
+    cap = SPLIT1 + 2 * BLOCK if splits > 1 else SPLIT1
     _, _, kpool, vpool, tables = _paged_kv(3, hkv, cap, d, 30, 40)
     assert launch.attention_splits(tables.shape[1]) == splits
     q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(50)).astype(mx.bfloat16)
@@ -300,24 +304,25 @@ def test_paged_attention_tiles_keep_the_bits(group: int, head_dim: int, window: 
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "blocks"),
-                         [(8, 2, 128, 3), (9, 3, 64, 3),
-                          (8, 2, 128, 2 * launch.SPLIT_BLOCKS + 3),
-                          (4, 1, 64, launch.SPLIT_BLOCKS + 1)])
+                         [(8, 2, 128, FIRST_SPLIT), (9, 3, 64, FIRST_SPLIT),
+                          (8, 2, 128, launch.split_first_block(2) + 1),
+                          (4, 1, 64, FIRST_SPLIT + 1),
+                          (8, 2, 128, launch.split_first_block(launch.HEAD_SPLITS + 1) + 1)])
 def test_rope_attention_gives_rope_write_and_attentions_bits(heads: int, kv_heads: int,
                                                              d: int, blocks: int) -> None:
     """A decode step's one launch (rope_attention: the rotation and the K/V write in the
     attention launch, split or not) gives the bits and the pool writes of rope_write +
-    paged_attention. With three splits the rows' new positions sit in their first, second
-    and last split, so each split's block either owns the new K/V or never reads it."""
+    paged_attention. Past one split the rows' new positions sit in their first, second
+    and last split (the last past the short head splits in the widest case), so each
+    split's block either owns the new K/V or never reads it."""
     cap = blocks * BLOCK
     _, _, kflat, vflat, tables = _paged_kv(3, kv_heads, cap, d, 60, 70)
     rope = Rope(d, 10000.0, None, mx.bfloat16)
     rope.reserve(cap)
     # a decode step: one row per slot (at a block's first position, mid-block, the last
     # position), then a padding row; each row's K/V goes to its slot's row at its position
-    split = launch.SPLIT_BLOCKS * BLOCK
-    positions = ([128, 200, cap - 1, 0] if blocks <= launch.SPLIT_BLOCKS
-                 else [split - 1, min(split + 130, cap - 2), cap - 1, 0])
+    positions = ([128, 200, cap - 1, 0] if blocks <= FIRST_SPLIT
+                 else [SPLIT1 - 1, min(SPLIT1 + 130, cap - 2), cap - 1, 0])
     slots = [0, 1, 2, -1]
     writes = np.array([[int(tables[s, p // BLOCK, h]) * BLOCK + p % BLOCK
                         for h in range(kv_heads)]
@@ -350,16 +355,15 @@ def test_rope_attention_gives_rope_write_and_attentions_bits(heads: int, kv_head
 @pytest.mark.parametrize(("group", "head_dim", "window"), [(4, 128, None), (3, 64, 700)])
 def test_long_rows_are_split_and_keep_their_bits(group: int, head_dim: int,
                                                  window: int | None) -> None:
-    """Rows whose keys span more than one split (launch.SPLIT_BLOCKS key blocks) run a block
+    """Rows whose keys span more than one split (launch.split_of_block) run a block
     per split, combined in order: right against the reference, the same bits alone or in a
     launch with other rows, and rows that fit one split keep the whole kernel's bits."""
     hkv, d = 2, head_dim
-    cap = (2 * launch.SPLIT_BLOCKS + 3) * BLOCK  # three splits
+    cap = launch.split_first_block(3) * BLOCK  # three splits
     keys, values, kpool, vpool, tables = _paged_kv(2, hkv, cap, d, 100, 110)
     assert launch.attention_splits(tables.shape[1]) == 3
     q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(120)).astype(mx.bfloat16)
-    split = launch.SPLIT_BLOCKS * BLOCK  # keys a split (512 at 4 blocks)
-    positions = [5, 127, split - 124, split - 1, split, split + 476, 2 * split - 1, 2 * split,
+    positions = [5, 127, SPLIT1 - 124, SPLIT1 - 1, SPLIT1, SPLIT2 - 36, SPLIT2 - 1, SPLIT2,
                  cap - 2, cap - 1]
     slots = [1, 0, 1, 0, 1, 1, 0, 1, 0, 1]
     rows = mx.array(positions, dtype=mx.int32)
@@ -374,8 +378,8 @@ def test_long_rows_are_split_and_keep_their_bits(group: int, head_dim: int,
         want = reference_attention(q[p : p + 1], keys[s], values[s], p, scale, window)
         err = mx.abs(together[i].astype(mx.float32) - want[0]).max().item()
         assert err < 3e-2, (p, err)
-        if p < launch.SPLIT_BLOCKS * BLOCK:  # fits one split: the whole kernel's bits
-            whole = cuda.paged_attention(q[one], kpool, vpool, tables[:, : launch.SPLIT_BLOCKS],
+        if p < SPLIT1:  # fits one split: the whole kernel's bits
+            whole = cuda.paged_attention(q[one], kpool, vpool, tables[:, :FIRST_SPLIT],
                                          mx.array([s], dtype=mx.int32), one, scale, window)
             assert mx.array_equal(whole[0], together[i]).item(), p
 
@@ -393,12 +397,11 @@ def test_merged_splits_give_the_split_launchs_bits(group: int, head_dim: int,
     from slotserve.kernels.attention import LOG2E
 
     hkv, d = 2, head_dim
-    split = launch.SPLIT_BLOCKS * BLOCK
-    cap = 3 * split + 2 * BLOCK
+    cap = launch.split_first_block(3) * BLOCK + 2 * BLOCK
     keys, values, kpool, vpool, tables = _paged_kv(3, hkv, cap, d, 400, 410)
     assert launch.attention_splits(tables.shape[1]) == 4
     q = mx.random.normal((cap, hkv * group, d), key=mx.random.key(420)).astype(mx.bfloat16)
-    segs = [(0, split - 20, 60), (1, 2 * split + 5, 1), (2, 0, 40), (0, cap - 33, 33)]
+    segs = [(0, SPLIT1 - 20, 60), (1, SPLIT2 + 5, 1), (2, 0, 40), (0, cap - 33, 33)]
     positions = [p for _, start, n in segs for p in range(start, start + n)]
     slots = [s for s, _, n in segs for _ in range(n)]
     rows = len(positions)
@@ -429,11 +432,13 @@ def test_long_context_prefill_rows_give_decode_rows_bits(context: int) -> None:
     """Issue 18's long contexts at the kernel level (Llama-3's GQA 4, head dim 128): the
     last rows of a prompt prefilled in ATTENTION_TILE tiles (a chunk that starts mid-block)
     give each row the bits it gets alone, as a decode row, and beside
-    another slot's shorter rows; in context / 512 splits, folded in order, in a block a split
-    or inside one block a tile (merge)."""
+    another slot's shorter rows; in its splits (short ones at the head, launch.split_of_block),
+    folded in order, in a block a split or inside one block a tile (merge)."""
     hkv, group, d = 2, 4, 128
     keys, values, kpool, vpool, tables = _paged_kv(2, hkv, context, d, 300, 310)
-    assert launch.attention_splits(tables.shape[1]) == context // (launch.SPLIT_BLOCKS * BLOCK)
+    head = launch.HEAD_SPLITS * launch.split_first_block(1) * BLOCK  # keys in short splits
+    assert launch.attention_splits(tables.shape[1]) == (
+        launch.HEAD_SPLITS + (context - head) // (launch.SPLIT_BLOCKS * BLOCK))
     q = mx.random.normal((context, hkv * group, d), key=mx.random.key(320)).astype(mx.bfloat16)
     first, n = context - 45, 45  # the chunk: positions context - 45 .. context - 1
     positions = [*range(first, first + n), 700, 3000]  # then two rows of the other slot
@@ -469,14 +474,13 @@ def test_attention_sinks_match_reference_and_keep_split_bits(group: int, head_di
     from slotserve.kernels.attention import LOG2E
 
     hkv, d = 2, head_dim
-    cap = (launch.SPLIT_BLOCKS + 2) * BLOCK  # two splits
+    cap = SPLIT1 + 2 * BLOCK  # two splits
     keys, values, kpool, vpool, tables = _paged_kv(1, hkv, cap, d, 200, 210)
     assert launch.attention_splits(tables.shape[1]) == 2
     hq = hkv * group
     sinks = mx.random.normal((hq,), key=mx.random.key(230)) * 2.0
     q = mx.random.normal((cap, hq, d), key=mx.random.key(240)).astype(mx.bfloat16)
-    split = launch.SPLIT_BLOCKS * BLOCK
-    positions = [0, 5, 300, split - 1, split, split + 76, cap - 1]
+    positions = [0, 5, SPLIT1 - 56, SPLIT1 - 1, SPLIT1, SPLIT1 + 76, cap - 1]
     rows = mx.array(positions, dtype=mx.int32)
     slot = mx.zeros((len(positions),), mx.int32)
     scale = d**-0.5
@@ -488,9 +492,9 @@ def test_attention_sinks_match_reference_and_keep_split_bits(group: int, head_di
         want = reference_attention(q[p : p + 1], keys[0], values[0], p, scale, window, sinks)
         err = mx.abs(got[i].astype(mx.float32) - want[0]).max().item()
         assert err < 3e-2, (p, err)
-        if p < launch.SPLIT_BLOCKS * BLOCK:  # fits one split: the whole kernel's bits
+        if p < SPLIT1:  # fits one split: the whole kernel's bits
             one = mx.array([p], dtype=mx.int32)
-            whole = cuda.paged_attention(q[one], kpool, vpool, tables[:, : launch.SPLIT_BLOCKS],
+            whole = cuda.paged_attention(q[one], kpool, vpool, tables[:, :FIRST_SPLIT],
                                          slot[:1], one, scale, window, sinks * LOG2E)
             assert mx.array_equal(whole[0], got[i]).item(), p
 
@@ -595,11 +599,11 @@ def test_partials_past_the_cap_fold_in_the_block(monkeypatch: pytest.MonkeyPatch
     """launch.split_partials_fit: with the cap at 0 every split launch folds in the block
     instead (a decode step's rope in rope_write's launch): the same bits, the same K/V."""
     heads, kv_heads, d = 8, 2, 64
-    cap = (2 * launch.SPLIT_BLOCKS + 1) * BLOCK
+    cap = launch.split_first_block(2) * BLOCK + BLOCK  # three splits
     _, _, kflat, vflat, tables = _paged_kv(2, kv_heads, cap, d, 500, 510)
     rope = Rope(d, 10000.0, None, mx.bfloat16)
     rope.reserve(cap)
-    positions, slots = [cap - 1, launch.SPLIT_BLOCKS * BLOCK + 3], [0, 1]
+    positions, slots = [cap - 1, SPLIT1 + 3], [0, 1]
     writes = np.array([[int(tables[s, p // BLOCK, h]) * BLOCK + p % BLOCK
                         for h in range(kv_heads)]
                        for s, p in zip(slots, positions, strict=True)], dtype=np.int32)

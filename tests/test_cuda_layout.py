@@ -106,7 +106,7 @@ def test_attention_merge_takes_prefill_steps_whose_longest_walk_is_not_the_step(
     b, t = BLOCK, launch.ATTENTION_TILE
     chunk = [(15 * 1024 + t * (i + 1) - 1) // b + 1 for i in range(1024 // t)]
     assert launch.attention_merge(chunk, 8)
-    assert not launch.attention_merge([launch.SPLIT_BLOCKS] * 500, 8)  # one split each
+    assert not launch.attention_merge([launch.split_first_block(1)] * 500, 8)  # one split each
     assert not launch.attention_merge(chunk[:8], 8)  # 128 rows
     short = [(t * (i + 1) - 1) // b + 1 for i in range(64)]  # a 1,024-token prompt
     assert not launch.attention_merge([*short, 32 * 1024 // b], 8)
@@ -187,3 +187,25 @@ def test_device_inputs_are_the_step_arrays_views_of_one_buffer() -> None:
     for a, p in zip(got, parts, strict=True):
         assert a.dtype == mx.int32 and a.shape == p.shape
         assert np.array_equal(np.array(a), p.astype(np.int32))
+
+
+def test_attention_splits_are_short_at_the_head_then_split_blocks_long() -> None:
+    """launch.split_of_block (attention_splits.cuh's KeySplits): the first HEAD_SPLITS splits
+    take SPLIT_BLOCKS // 2 key blocks, the rest SPLIT_BLOCKS; split_first_block is its
+    inverse, every block lies in exactly one split, and the splits of a launch follow."""
+    half, n = launch.SPLIT_BLOCKS // 2, launch.HEAD_SPLITS
+    assert [launch.split_of_block(b) for b in range(2 * half)] == [0] * half + [1] * half
+    head = n * half
+    assert launch.split_of_block(head - 1) == n - 1
+    assert launch.split_of_block(head) == n
+    assert launch.split_of_block(head + launch.SPLIT_BLOCKS) == n + 1
+    for s in range(3 * n):
+        first, end = launch.split_first_block(s), launch.split_first_block(s + 1)
+        assert end - first == (half if s < n else launch.SPLIT_BLOCKS)
+        assert {launch.split_of_block(b) for b in range(first, end)} == {s}
+    assert launch.attention_splits(1) == 1
+    assert launch.attention_splits(half) == 1
+    assert launch.attention_splits(half + 1) == 2
+    # a 1k-context decode row (8 key blocks) and a 16k one (128)
+    assert launch.attention_splits(8) == 8 // half
+    assert launch.attention_splits(128) == n + (128 - head) // launch.SPLIT_BLOCKS

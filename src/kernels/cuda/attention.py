@@ -88,7 +88,7 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
     inputs = [q.reshape(r, hq * d).astype(mx.bfloat16), kpool, vpool, tables, row_table,
               row_pos, tiles, _attention_params(scale), sink_input]
     template = [("T", kpool.dtype), ("G", group), ("D", d), ("WINDOW", window or 0),
-                ("TILE", tile), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS), ("SINKS", has_sinks)]
+                ("TILE", tile), *launch.split_template(), ("SINKS", has_sinks)]
     shared = launch.attention_shared_bytes(d, launch.attention_narrow(group, tile))
     if splits == 1 or merge or not launch.split_partials_fit(r, hkv, splits, group, d):
         folds = splits > 1
@@ -115,7 +115,7 @@ def _combine(part: mx.array, row_table: mx.array, row_pos: mx.array, sink_input:
     r, hq = part.shape[0], part.shape[1] * group
     (out,) = kernel("attention_combine")(
         inputs=[part, row_table, row_pos, sink_input],
-        template=[("G", group), ("D", d), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
+        template=[("G", group), ("D", d), *launch.split_template(),
                   ("SINKS", has_sinks)],
         grid=(r * hq * ATTENTION_THREADS, 1, 1), threadgroup=(ATTENTION_THREADS, 1, 1),
         output_shapes=[(r, hq * d)], output_dtypes=[mx.bfloat16])
@@ -160,8 +160,8 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
     inputs = [qkv, kpool, vpool, tables, row_table, row_pos, tiles, _attention_params(scale),
               sink_input, cos, sin, write_rows]
     template = [("T", kpool.dtype), ("G", group), ("D", head_dim), ("WINDOW", window or 0),
-                ("TILE", tile), ("SPLIT_BLOCKS", launch.SPLIT_BLOCKS),
-                ("SINKS", has_sinks), ("MERGE", False)]
+                ("TILE", tile), *launch.split_template(), ("SINKS", has_sinks),
+                ("MERGE", False)]
     if splits == 1:
         (out,) = kernel("rope_attention", shared)(
             inputs=inputs, template=template, grid=(blocks * ATTENTION_THREADS, 1, 1),

@@ -1,7 +1,7 @@
 // slotserve_attention_combine: the output rows of slotserve_paged_attention_split, each
 // row's splits folded in split order (split_fold.cuh, as a MERGE whole kernel folds them as
 // its walk passes them: the same bits). The body of an mx.fast.cuda_kernel; the header is
-// common.cuh, split_fold.cuh and attention_out.cuh.
+// common.cuh, split_fold.cuh, attention_out.cuh and attention_splits.cuh.
 //
 // One block (128 threads) per (row, query head); part [R, HKV, S, G, D + 2] (P.V sums,
 // running max, running sum per split and query head), row_table / row_pos [R] -> out
@@ -10,7 +10,7 @@
 // per (row, kv head), its G heads one after another, was 20.7 µs a layer for one
 // 16k-context row under Nsight Compute (8 blocks of dependent loads); a block a query head
 // runs G of them side by side.
-// Template: G, D, SPLIT_BLOCKS, SINKS.
+// Template: G, D, SPLIT_BLOCKS, HEAD_SPLITS, SINKS.
 
   const int HKV = part_shape[1], S = part_shape[2];
   const int HQ = HKV * G;
@@ -21,7 +21,8 @@
     for (int i = tid; i < D; i += 128) out[base + i] = __float2bfloat16(0.0f);
     return;
   }
-  const int splits = row_pos[r] / (128 * SPLIT_BLOCKS) + 1;  // the splits holding its keys
+  // the splits holding its keys (attention_splits.cuh)
+  const int splits = KeySplits<SPLIT_BLOCKS, HEAD_SPLITS>::of(row_pos[r] / 128) + 1;
   const float* src = part + ((size_t)r * HKV + h) * S * G * (D + 2);
   constexpr int CHUNK = 16;
   const size_t stride = (size_t)G * (D + 2);  // from one split to the next

@@ -5,7 +5,7 @@
   if (active) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      if (m_row[e] < 0 || split > m_pos[e] / (128 * SPLIT_BLOCKS)) continue;
+      if (m_row[e] < 0 || split > Splits::of(m_pos[e] / 128)) continue;
       float* dst = partials + (((size_t)m_row[e] * HKV + h) * S + split) * G * (D + 2)
           + (size_t)m_head[e] * (D + 2);
 #pragma unroll

@@ -54,6 +54,12 @@ time per kernel with the caches flushed before each, as a step reads its weights
   2026-12-06, prefill rows split too): decode at a 1k context 246.9 -> 276.2 tok/s, at
   16k 200.8 -> 228.3; prefill at 1k 9,679 -> 9,394 tok/s, at 16k 7,677 -> 7,365, the
   partials the prefill launches wrote twice the size (rows x splits).
+* paged_attention, a row's first `HEAD_SPLITS` splits of `SPLIT_BLOCKS // 2` blocks (its
+  first 2,048 keys; `split_of_block`): splits of 2 blocks for every row had given a 1-row
+  decode step at a 1k context 4,266 -> 3,922 µs, but at 16k 5,043 -> 5,219 µs and the 16k
+  prefill's attention +7 % (H100, Nsight Compute, 2026-12-06). Short splits at the head
+  alone, 2026-12-07: the 1k step 4,320.6 -> 3,907.8 µs, its attention 1,282.9 -> 866.4
+  µs a step (32 layers).
 * paged_attention, `attention_merge`: a prefill step's long rows folded inside one block a
   tile (MERGE: the block walks all of its rows' keys and folds each split as it leaves it)
   where the step's longest walk is no longer than its whole work spread over
@@ -89,7 +95,8 @@ NORM_ROWS = 4  # q4_matmul normalizes x in its prologue for launches of up to th
 GLUE_THREADS = 256  # threads a block of the elementwise kernels (rope_write, swiglu)
 ATTENTION_THREADS = 128  # threads a block of the attention kernels (4 warps)
 ATTENTION_TILE = 16  # rows of one prompt a paged_attention tile takes (paged_attention.cu)
-SPLIT_BLOCKS = 4  # key blocks (of 128) a split of a long row's attention takes
+SPLIT_BLOCKS = 4  # key blocks (of 128) a split of a long row's attention takes ...
+HEAD_SPLITS = 8  # ... past its first splits, which take SPLIT_BLOCKS // 2 (split_of_block)
 MERGE_BLOCKS = 264  # attention_merge: blocks a launch's work is spread over (2 an SM)
 PARTIALS_CAP = 256 << 20  # bytes of a split launch's partials, at most (split_partials_fit)
 GEMM_ROWS = 128  # q4_matmul launches of at least this many rows may run q4_gemm ...
@@ -195,11 +202,33 @@ def attention_shared_bytes(head_dim: int, narrow: bool) -> int:
     return 2 * 128 * (head_dim // 8 + 1) * 16 + (16 * 132 * 4 if narrow else 0)
 
 
+def split_of_block(block: int) -> int:
+    """The attention split holding key block `block` (of 128 keys): the first HEAD_SPLITS
+    splits take SPLIT_BLOCKS // 2 blocks each (at least 1), the rest SPLIT_BLOCKS
+    (attention_splits.cuh's KeySplits, the kernels' rule; rule above)."""
+    half = max(1, SPLIT_BLOCKS // 2)
+    head = HEAD_SPLITS * half
+    return block // half if block < head else HEAD_SPLITS + (block - head) // SPLIT_BLOCKS
+
+
+def split_first_block(split: int) -> int:
+    """The first key block of attention split `split` (split_of_block's inverse)."""
+    half = max(1, SPLIT_BLOCKS // 2)
+    if split < HEAD_SPLITS:
+        return split * half
+    return HEAD_SPLITS * half + (split - HEAD_SPLITS) * SPLIT_BLOCKS
+
+
+def split_template() -> list[tuple[str, int]]:
+    """The attention kernels' template arguments of the split rule (split_of_block)."""
+    return [("SPLIT_BLOCKS", SPLIT_BLOCKS), ("HEAD_SPLITS", HEAD_SPLITS)]
+
+
 def attention_splits(table_blocks: int) -> int:
     """Splits of a paged_attention launch whose block tables span `table_blocks` key
     blocks: 1 (one block per row and kv head) while every row fits one split, else the
     splits of the widest table (a block per row, kv head and split, then the combine)."""
-    return -(-table_blocks // SPLIT_BLOCKS)
+    return split_of_block(max(table_blocks, 1) - 1) + 1
 
 
 def attention_tiles(segments: list[tuple[int, int]], rows: int, padded_rows: int) -> list[int]:
@@ -225,7 +254,8 @@ def attention_merge(tile_blocks: list[int], kv_heads: int) -> bool:
     row spans more than one split, and the longest walk is within the step's work over
     MERGE_BLOCKS blocks (rule above)."""
     longest = max(tile_blocks, default=0)
-    return longest > SPLIT_BLOCKS and longest * MERGE_BLOCKS <= sum(tile_blocks) * kv_heads
+    spans_splits = longest > split_first_block(1)  # some row's keys span more than one split
+    return spans_splits and longest * MERGE_BLOCKS <= sum(tile_blocks) * kv_heads
 
 
 def split_partials_fit(rows: int, kv_heads: int, splits: int, group: int, head_dim: int

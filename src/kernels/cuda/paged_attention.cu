@@ -19,7 +19,7 @@
 // key (or before its window) leaves its sums as they are (alpha 1 or 0, p 0), so a row has
 // the same bits in any tile: alone (a decode step) or among its prompt's rows (prefill).
 //
-// A row's keys are summed in splits of SPLIT_BLOCKS key blocks at fixed absolute positions,
+// A row's keys are summed in splits of key blocks at fixed absolute positions (KeySplits),
 // folded in split order (split_fold.cuh), in every launch it is in (decode or prefill), so
 // its bits never depend on its batch. Where they are summed is the launch's choice
 // (launch.attention_merge): slotserve_paged_attention_split takes a block per (tile part,
@@ -49,7 +49,8 @@
 //                 rope_attention_patch_k.cu / _v.cu (patch the staged copy of the new
 //                 position from registers)
 // Template: T (pool dtype, bf16), G, D (head dim, a multiple of 16), WINDOW (sliding
-// window, 0: none), TILE, SPLIT_BLOCKS, SINKS (gpt-oss's attention sinks), MERGE.
+// window, 0: none), TILE, SPLIT_BLOCKS, HEAD_SPLITS (attention_splits.cuh), SINKS (gpt-oss's
+// attention sinks), MERGE.
 
   const int HKV = tables_shape[2];
   const int nbmax = tables_shape[1];
@@ -65,6 +66,7 @@
   // order, so a row has the same bits either way
   constexpr bool NARROW = TP * G <= 16;  // (launch.attention_narrow)
   constexpr int QROWS = NARROW ? 16 : 64;  // mma rows a block stages the queries of
+  using Splits = KeySplits<SPLIT_BLOCKS, HEAD_SPLITS>;  // (attention_splits.cuh)
 @BLOCK@
   // a tile of one row (TILE 1: a decode step's launch, whose tiles are 0, 1, ..) is its
   // own row: no tiles[] read in the chain of loads before the first K/V copy
@@ -93,10 +95,9 @@
     pos_max = max(pos_max, p);
     lo_min = min(lo_min, (WINDOW > 0 && p - WINDOW + 1 > 0) ? p - WINDOW + 1 : 0);
   }
-  const int jb_first = split < 0 ? lo_min / 128 : max(lo_min / 128, split * SPLIT_BLOCKS);
-  const int jb_last = split < 0 ? pos_max / 128
-                                : min(pos_max / 128, split * SPLIT_BLOCKS + SPLIT_BLOCKS - 1);
-  if (split >= 0 && split * SPLIT_BLOCKS > pos_max / 128) return;  // no row's keys here
+  const int jb_first = split < 0 ? lo_min / 128 : max(lo_min / 128, Splits::first(split));
+  const int jb_last = split < 0 ? pos_max / 128 : min(pos_max / 128, Splits::first(split + 1) - 1);
+  if (split >= 0 && Splits::first(split) > pos_max / 128) return;  // no row's keys here
   const int* table = tables + (size_t)tb * nbmax * HKV;
   // this thread's two mma rows (g and g + 8 of its warp's 16): launch row, head, key range
   int m_row[2], m_head[2], m_lo[2], m_pos[2];
@@ -280,6 +281,6 @@
     }
     __syncthreads();  // every warp is done with this block's V
     if (more) stage(vs, vpool, jb + 1, next_page, true); else cp_async_commit();
-    if (MERGE && more && jb % SPLIT_BLOCKS == SPLIT_BLOCKS - 1) fold_split();
+    if (MERGE && more && Splits::of(jb + 1) != Splits::of(jb)) fold_split();
   }
 @OUT@

@@ -26,7 +26,8 @@
     qs[mr][d] = static_cast<T>(o1);
     qs[mr][d + D / 2] = static_cast<T>(o2);
   }
-  const bool writes = first < write_rows_shape[0] && (split < 0 || split == p0 / (128 * SPLIT_BLOCKS));
+  const bool writes =
+      first < write_rows_shape[0] && (split < 0 || split == Splits::of(p0 / 128));
   T newk = static_cast<T>(0.0f), newv = static_cast<T>(0.0f);
   if (tid < D) {
     const int d = tid % (D / 2);

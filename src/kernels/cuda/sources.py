@@ -37,7 +37,7 @@ class KernelSource:
 
 _ATTENTION_INPUTS = ("kpool", "vpool", "tables", "row_table", "row_pos", "tiles", "params",
                      "sinks")
-_ATTENTION_HEADERS = ("cp_async.cuh", "mma.cuh", "attention_out.cuh")
+_ATTENTION_HEADERS = ("cp_async.cuh", "mma.cuh", "attention_out.cuh", "attention_splits.cuh")
 _WHOLE = (("@BLOCK@", "attention_whole_block.cu"), ("@PAD@", "attention_whole_pad.cu"),
           ("@OUT@", "attention_whole_out.cu"))
 _SPLIT = (("@BLOCK@", "attention_split_block.cu"), ("@PAD@", "attention_split_pad.cu"),
@@ -68,7 +68,8 @@ KERNELS: dict[str, KernelSource] = {
                                           query="paged_attention_query.cu", fragments=_SPLIT),
     "attention_combine": KernelSource(("part", "row_table", "row_pos", "sinks"), ("out",),
                                       "attention_combine.cu",
-                                      ("split_fold.cuh", "attention_out.cuh")),
+                                      ("split_fold.cuh", "attention_out.cuh",
+                                       "attention_splits.cuh")),
     "rope_attention": KernelSource(("qkv", *_ATTENTION_INPUTS, "cos_t", "sin_t", "write_rows"),
                                    ("out",), "paged_attention.cu", _ATTENTION_HEADERS,
                                    **_ROPE,
