@@ -202,21 +202,26 @@ def attention_shared_bytes(head_dim: int, narrow: bool) -> int:
     return 2 * 128 * (head_dim // 8 + 1) * 16 + (16 * 132 * 4 if narrow else 0)
 
 
+def _head_split_blocks() -> int:
+    """Key blocks each of a row's first HEAD_SPLITS attention splits takes: SPLIT_BLOCKS // 2,
+    at least 1 (KeySplits::HALF)."""
+    return max(1, SPLIT_BLOCKS // 2)
+
+
 def split_of_block(block: int) -> int:
     """The attention split holding key block `block` (of 128 keys): the first HEAD_SPLITS
     splits take SPLIT_BLOCKS // 2 blocks each (at least 1), the rest SPLIT_BLOCKS
     (attention_splits.cuh's KeySplits, the kernels' rule; rule above)."""
-    half = max(1, SPLIT_BLOCKS // 2)
+    half = _head_split_blocks()
     head = HEAD_SPLITS * half
     return block // half if block < head else HEAD_SPLITS + (block - head) // SPLIT_BLOCKS
 
 
 def split_first_block(split: int) -> int:
     """The first key block of attention split `split` (split_of_block's inverse)."""
-    half = max(1, SPLIT_BLOCKS // 2)
-    if split < HEAD_SPLITS:
-        return split * half
-    return HEAD_SPLITS * half + (split - HEAD_SPLITS) * SPLIT_BLOCKS
+    half = _head_split_blocks()
+    return split * half if split < HEAD_SPLITS else (
+        HEAD_SPLITS * half + (split - HEAD_SPLITS) * SPLIT_BLOCKS)
 
 
 def split_template() -> list[tuple[str, int]]:
