@@ -5,6 +5,7 @@ Gemma 4 template is refused at load instead of being prompted in ChatML."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -111,5 +112,11 @@ def test_engine_refuses_a_gemma4_checkpoint_with_a_chatml_template(tmp_path: Pat
         async with Engine.load(path, max_slots=1):
             pass
 
+    before = set(threading.enumerate())
     with pytest.raises(TemplateError, match="not a gemma4 template"):
         anyio.run(start)
+    # the failed start ended its MLX thread (an idle one kept its OpenMP team docked)
+    left = [t for t in set(threading.enumerate()) - before if t.name.startswith("mlx")]
+    for t in left:
+        t.join(timeout=10)
+    assert not [t for t in left if t.is_alive()]
