@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Iterator
 
@@ -20,6 +21,30 @@ def _default_logging() -> Iterator[None]:
     structlog.reset_defaults()
     yield
     structlog.reset_defaults()
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    with contextlib.suppress(OSError):
+        return ctypes.CDLL("libgomp.so.1")  # the one the native kernels and torch share
+    return None
+
+
+_OPENMP = _openmp_runtime()
+
+
+@pytest.fixture(autouse=True)
+def _no_openmp_pool_left_on_the_main_thread() -> Iterator[None]:
+    """After each test, the OpenMP workers the test thread started are let go.
+
+    A test that runs OpenMP code on the main thread (a native kernel called directly, a
+    transformers oracle in torch) leaves a docked team there. Once the process has more
+    OpenMP threads than CPUs, libgomp stops its workers spinning between parallel regions,
+    and every engine after that (its kernels run on its MLX thread's own team) decodes
+    about 2.5x slower on a 2-core machine: the suite spent minutes waiting on futexes.
+    """
+    yield
+    if _OPENMP is not None:
+        _OPENMP.omp_pause_resource_all(1)  # omp_pause_soft: the threads exit, nothing else
 
 
 # Every instruction set this CPU runs: an AVX-512 machine also tests the AVX2 kernels.
