@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import structlog
@@ -23,28 +23,33 @@ def _default_logging() -> Iterator[None]:
     structlog.reset_defaults()
 
 
-def _openmp_runtime() -> ctypes.CDLL | None:
-    with contextlib.suppress(OSError):
-        return ctypes.CDLL("libgomp.so.1")  # the one the native kernels and torch share
+def _openmp_pause() -> Callable[[int], int] | None:
+    """libgomp's omp_pause_resource_all (the runtime the native kernels and torch share);
+    None without libgomp, or one older than OpenMP 5.0's pause (GCC 10)."""
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL("libgomp.so.1").omp_pause_resource_all
     return None
 
 
-_OPENMP = _openmp_runtime()
+_OMP_PAUSE = _openmp_pause()
 
 
 @pytest.fixture(autouse=True)
 def _no_openmp_pool_left_on_the_main_thread() -> Iterator[None]:
-    """After each test, the OpenMP workers the test thread started are let go.
+    """Before and after each test, the OpenMP workers the test thread started are let go.
 
     A test that runs OpenMP code on the main thread (a native kernel called directly, a
     transformers oracle in torch) leaves a docked team there. Once the process has more
     OpenMP threads than CPUs, libgomp stops its workers spinning between parallel regions,
     and every engine after that (its kernels run on its MLX thread's own team) decodes
     about 2.5x slower on a 2-core machine: the suite spent minutes waiting on futexes.
+    Before the test too: a module's fixtures (set up before this one) may have left one.
     """
+    if _OMP_PAUSE is not None:
+        _OMP_PAUSE(1)  # omp_pause_soft: the threads exit, nothing else
     yield
-    if _OPENMP is not None:
-        _OPENMP.omp_pause_resource_all(1)  # omp_pause_soft: the threads exit, nothing else
+    if _OMP_PAUSE is not None:
+        _OMP_PAUSE(1)
 
 
 # Every instruction set this CPU runs: an AVX-512 machine also tests the AVX2 kernels.
