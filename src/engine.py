@@ -223,35 +223,26 @@ class Engine:
                 pick_device(self.config.device)))
         self.mlx = MLXThread()
         try:
-            return await self._start(self.mlx)
+            return await self._start()
         except BaseException:
-            await self._release_unstarted(self.mlx)
+            # what the failed start took is given back (a template refused, a load error):
+            # a process that goes on (a test, a supervisor that retries) keeps no idle MLX
+            # thread whose OpenMP team would slow the next engine's kernels
+            with anyio.CancelScope(shield=True):
+                await self._release()
             raise
 
-    async def _release_unstarted(self, mlx: MLXThread) -> None:
-        """What a start that failed (a template refused, a load error) took is given back:
-        the other ranks stop and the MLX thread ends. A process that goes on (a test, a
-        supervisor that retries) keeps no idle thread whose OpenMP team would slow the
-        next engine's kernels."""
-        with anyio.CancelScope(shield=True):
-            if self._host_task is not None:  # cancelled while the actors were starting
-                self._stop.set()
-                await self._host_task
-            if isinstance(self.loaded.model if self.loaded else None, parallel.Driver):
-                await mlx.run(self.loaded.model.close)
-            mlx.close()
-
-    async def _start(self, mlx: MLXThread) -> Engine:
+    async def _start(self) -> Engine:
         cfg = self.config
         prefill_budget = cfg.prefill_budget
         assert prefill_budget is not None
         rows = max(prefill_budget, cfg.max_slots, 256)
         ranks = parallel.launched_size() if cfg.tensor_parallel is None else cfg.tensor_parallel
         if ranks > 1:  # rank 0's part, its forwards sent to the other ranks first
-            self.loaded = await mlx.run(
+            self.loaded = await self.mlx.run(
                 lambda: parallel.load_driver(cfg.model, cfg.device, ranks, rows, self.progress))
         else:
-            self.loaded = await mlx.run(
+            self.loaded = await self.mlx.run(
                 lambda: load(cfg.model, device=cfg.device, probe_rows=rows,
                              progress=self.progress))
         lm = self.loaded
@@ -273,7 +264,7 @@ class Engine:
             speculate = compiled = False
         runner = ModelRunner(lm.model, speculate=speculate, compiled=compiled)
         if runner.compiled is not None:
-            same = await mlx.run(runner.compiled.same_bits)
+            same = await self.mlx.run(runner.compiled.same_bits)
             log.info("compiled decode steps", on=same,
                      why="same bits as the plain forward" if same
                      else "compiled steps round differently here: plain forward only")
@@ -281,23 +272,23 @@ class Engine:
                 runner.compiled = None
         if lm.device == "gpu" if cfg.warm_up is None else cfg.warm_up:
             # compile the kernels (and decode traces) steps use now, not on live traffic
-            await mlx.run(lambda: warm_up(runner, lm.model, cfg.max_slots,
+            await self.mlx.run(lambda: warm_up(runner, lm.model, cfg.max_slots,
                                                    prefill_budget))
-        self.batcher = Batcher(runner, mlx, prefill_budget)
+        self.batcher = Batcher(runner, self.mlx, prefill_budget)
         for i in range(cfg.max_slots):
             self.slots.append(Slot(i, lm.model.new_kv(), self.batcher))
         bpt = self.slots[0].kv.bytes_per_position
         if lm.device == "gpu":
-            info, _, _ = await mlx.run(_device_memory)
+            info, _, _ = await self.mlx.run(_device_memory)
             limit = gpu_cache_limit(info)
-            await mlx.run(lambda: mx.set_cache_limit(limit))
+            await self.mlx.run(lambda: mx.set_cache_limit(limit))
             log.info("allocator cache bounded", cache_limit=limit)
         budget = cfg.kv_budget_bytes
         if not budget:
-            info, cached, active = await mlx.run(_device_memory)
+            info, cached, active = await self.mlx.run(_device_memory)
             budget = default_kv_budget(lm.device, info, cached, active)
         self.admission = Admission(
-            self.slots, KVCache(self.slots[0].kv.pool, mlx.post), max_queue=cfg.max_queue,
+            self.slots, KVCache(self.slots[0].kv.pool, self.mlx.post), max_queue=cfg.max_queue,
             kv_budget=budget,
             context_length=lm.config.max_position,
             reserve_tokens=DEFAULT_RESERVE_TOKENS if cfg.kv_reserve_tokens is None
@@ -431,9 +422,14 @@ class Engine:
         with anyio.move_on_after(2.0):
             while self.sessions:
                 await anyio.sleep(0.02)
-        self._stop.set()
-        assert self._host_task is not None
-        await self._host_task
+        await self._release()
+
+    async def _release(self) -> None:
+        """Stop the actors' host task, then close the runner, stop the other ranks and end
+        the MLX thread: what a shutdown, or a start that failed part way, leaves behind."""
+        if self._host_task is not None:
+            self._stop.set()
+            await self._host_task
         if self.mlx is not None:
             if self.batcher is not None:
                 await self.mlx.run(self.batcher.runner.close)
