@@ -36,19 +36,22 @@ _OMP_PAUSE = _openmp_pause()
 
 @pytest.fixture(autouse=True)
 def _no_openmp_pool_left_on_the_main_thread() -> Iterator[None]:
-    """Before each test, the OpenMP workers the main thread started are let go.
+    """Before and after each test, the OpenMP workers the test thread started are let go.
 
     A test that runs OpenMP code on the main thread (a native kernel called directly, a
     transformers oracle in torch) leaves a docked team there. Once the process has more
     OpenMP threads than CPUs, libgomp stops its workers spinning between parallel regions,
     and every engine after that (its kernels run on its MLX thread's own team) decodes
     about 2.5x slower on a 2-core machine: the suite spent minutes waiting on futexes.
-    Before the test body, so the team an earlier test or this module's fixtures (set up
-    before this one) left is gone too.
+    Both ends: after a test, so the next module's fixtures (set up before this one: an
+    engine's load and invariance probe) start unthrottled; before it, for a team those
+    fixtures left.
     """
     if _OMP_PAUSE is not None:
         _OMP_PAUSE(1)  # omp_pause_soft: the threads exit, nothing else
     yield
+    if _OMP_PAUSE is not None:
+        _OMP_PAUSE(1)
 
 
 # Every instruction set this CPU runs: an AVX-512 machine also tests the AVX2 kernels.
