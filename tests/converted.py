@@ -412,7 +412,6 @@ def _gpt_oss_tensors(gguf_file: Path) -> dict[str, Any]:
     holds them fused; this is the inverse of llama.cpp's conversion/gpt_oss.py: gate and up
     stacks [E, inter, hidden] interleaved (gate at even columns) into gate_up_proj
     [E, hidden, 2 * inter], down [E, hidden, inter] transposed to [E, inter, hidden]."""
-    import gguf
     import numpy as np
     import torch
 
@@ -422,9 +421,7 @@ def _gpt_oss_tensors(gguf_file: Path) -> dict[str, Any]:
              "ffn_gate_inp": "mlp.router"}
     top = {"token_embd.weight": "model.embed_tokens.weight",
            "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(
-        tuple(reversed([int(d) for d in t.shape]))).astype(np.float32)
-        for t in gguf.GGUFReader(str(gguf_file)).tensors}
+    raw = gguf_py_tensors(gguf_file)
     out: dict[str, Any] = {}
     layers = sorted({int(n.split(".")[1]) for n in raw if n.startswith("blk.")})
     for name, t in raw.items():
