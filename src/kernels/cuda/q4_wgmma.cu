@@ -12,13 +12,13 @@
 //
 // As in q4_gemm.cu, a block of 256 threads takes 128 rows x 128 columns, x and the packed
 // weights staged a 128-wide chunk of K at a time (a cp.async ring of two). Unlike it, each
-// thread dequantizes the codes it copied as they land, once for the block, into wgmma's
-// layout for B (K-major, no swizzle: core matrices of 8 columns x 8 k, 128 bytes; a k16
-// step's two k halves 128 bytes apart, its 16 column groups 256 apart, its 4 KB after the
-// step before), and each of the two warpgroups multiplies its 64 rows by all 128 columns:
-// a warp's 16 rows of x are the A fragments mma.sync takes (from registers), the group's
-// four k16 steps sum into tmp from zero, and tmp is scaled into the accumulators as
-// group_mma does. The row sums stay on mma.sync (row_sums).
+// thread dequantizes the codes it copied (dequant8: bf16(scale * q + bias)), once for the
+// block, into wgmma's layout for B (K-major, no swizzle: core matrices of 8 columns x 8 k,
+// 128 bytes; a k16 step's two k halves 128 bytes apart, its 16 column groups 256 apart, its
+// 4 KB after the step before), and each of the two warpgroups multiplies its 64 rows by all
+// 128 columns: a warp's 16 rows of x are the A fragments mma.sync takes (from registers),
+// and the chunk's eight k16 steps chain into the accumulators as group_mma's do, while the
+// block dequantizes the next chunk into the other buffer.
 
 // d (64 floats: n8 tile j at d[4j..4j+3], mma.sync's C layout) += a (this warp's 16 rows of
 // one k16 step, mma.sync's A fragment) times the 128 x 16 B at desc
@@ -76,9 +76,10 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
     }
     cp_async_commit();
   };
-  // the codes this thread copied of chunk ch, dequantized: lane q = 4 g' + t' of tile tl
-  // holds column 8 tl + g' at k-slots 2t', 2t' + 1 (word 2s of dequant8's step s) and
-  // 2t' + 8, 2t' + 9 (word 2s + 1); then made visible to wgmma's reads (the async proxy)
+  // the codes this thread copied of chunk ch, dequantized (dequant8, with the scales of
+  // their column, which other threads copied): lane q = 4 g' + t' of tile tl holds column
+  // 8 tl + g' at k-slots 2t', 2t' + 1 (word 2s of dequant8's step s) and 2t' + 8, 2t' + 9
+  // (word 2s + 1); then made visible to wgmma's reads (the async proxy)
   auto dequant = [&](int ch) {
     if (ch < chunks) {
       const uint4* wd = wstage(ch % STAGES);
@@ -87,10 +88,13 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
         const int tl = e / 36, q = e % 36;
         if (q < 32) {
           const uint4 w = wd[e];
+          const uint4 sc = wd[tl * 36 + 32 + (q >> 3)];  // column g' = q / 4: pair g' % 2
+          const bool odd = (q >> 2) & 1;
 #pragma unroll
           for (int par = 0; par < 2; ++par) {
             uint32_t b[8];
-            dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, b);
+            const uint32_t sb = par ? (odd ? sc.w : sc.z) : (odd ? sc.y : sc.x);
+            dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, sb, b);
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -112,46 +116,47 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
 
   issue(0);
   cp_async_wait<0>();
+  __syncthreads();
   dequant(0);
 #pragma unroll 1
   for (int ch = 0; ch < chunks; ++ch) {
+    // chunk ch is dequantized and its x has landed (every thread's work); chunk ch - 1's
+    // stages and products are done with
     __syncthreads();
     issue(ch + 1);
-    const int s = ch % STAGES;
-    const __nv_bfloat16* xt = xstage(s) + (warp * 16) * XROW;
-    const uint4* wt = wstage(s);
-#pragma unroll 1
+    const __nv_bfloat16* xt = xstage(ch % STAGES) + (warp * 16) * XROW;
+    uint32_t xg[2][4][4];  // both groups' A fragments: wgmma reads them while it runs
+#pragma unroll
     for (int par = 0; par < 2; ++par) {
       // this warp's 16 rows of the group, k = 64 par + 16t .. + 15 (as fetch_x)
       const uint4* p0 = reinterpret_cast<const uint4*>(xt + g * XROW + par * 64 + 16 * t);
       const uint4* p1 = reinterpret_cast<const uint4*>(xt + (g + 8) * XROW + par * 64 + 16 * t);
 @XA@
-      float tmp[64];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) tmp[i] = 0.0f;
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      for (int st = 0; st < 4; ++st)
 #pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const unsigned at = dbase + (ch & 1) * DS * 16 + (4 * par + st) * 4096;
-        const uint64_t desc = (uint64_t)((at & 0x3FFFFu) >> 4) | ((uint64_t)(128 >> 4) << 16)
-                              | ((uint64_t)(256 >> 4) << 32);
-        wgmma_m64n128k16(tmp, xa[st], desc);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      float xs0, xs1;
-      row_sums(xa, xs0, xs1);
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-      for (int j = 0; j < TILES; ++j) {
-        const uint4 sc = wt[j * 36 + 32 + t];
-        const uint32_t sb0 = par ? sc.z : sc.x, sb1 = par ? sc.w : sc.y;
-        const float s0 = bf_lo(sb0), b0 = bf_hi(sb0), s1 = bf_lo(sb1), b1 = bf_hi(sb1);
-        acc[j][0] = __fmaf_rn(s0, tmp[4 * j], __fmaf_rn(b0, xs0, acc[j][0]));
-        acc[j][1] = __fmaf_rn(s1, tmp[4 * j + 1], __fmaf_rn(b1, xs0, acc[j][1]));
-        acc[j][2] = __fmaf_rn(s0, tmp[4 * j + 2], __fmaf_rn(b0, xs1, acc[j][2]));
-        acc[j][3] = __fmaf_rn(s1, tmp[4 * j + 3], __fmaf_rn(b1, xs1, acc[j][3]));
-      }
+        for (int i = 0; i < 4; ++i) xg[par][st][i] = xa[st][i];
     }
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    // the chunk's 8 k16 steps chained into acc, group after group (group_mma's order)
+#pragma unroll
+    for (int st8 = 0; st8 < 8; ++st8) {
+      const unsigned at = dbase + (ch & 1) * DS * 16 + st8 * 4096;
+      const uint64_t desc = (uint64_t)((at & 0x3FFFFu) >> 4) | ((uint64_t)(128 >> 4) << 16)
+                            | ((uint64_t)(256 >> 4) << 32);
+      wgmma_m64n128k16(&acc[0][0], xg[st8 >> 2][st8 & 3], desc);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    // the next chunk dequantized under the multiply, into the other buffer
+    cp_async_wait<0>();
+    __syncthreads();  // chunk ch + 1's codes and scales have landed, every thread's
+    dequant(ch + 1);
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    // the registers wgmma read and wrote stay where they were until it is done
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+r"((&xg[0][0][0])[i]) :: "memory");
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"((&acc[0][0])[i]) :: "memory");
     if ((ch + 1) % per_range == 0) {
       const bool first = ch + 1 == per_range;
 #pragma unroll
@@ -162,8 +167,6 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
           acc[j][c] = 0.0f;
         }
     }
-    cp_async_wait<0>();
-    dequant(ch + 1);
   }
 
 #pragma unroll
