@@ -91,8 +91,8 @@
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const uint4 w = wt[nt * 36 + lane];
-        const uint32_t sb = reinterpret_cast<const uint32_t*>(wt + nt * 36 + 32 + (g >> 1))[2 * par + (g & 1)];
-        dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, sb, bw[nt]);
+        dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, col_scale(wt + nt * 36 + 32, g, par),
+                        bw[nt]);
       }
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {

@@ -93,10 +93,6 @@
     auto wword = [&](int nt, int j) -> uint32_t {
       return reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][lane])[j];
     };
-    // the (scale, bias) pair of group par of column g (the B fragment's column) of tile nt
-    auto scol = [&](int nt, int par) -> uint32_t {
-      return reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][32 + (g >> 1)])[2 * par + (g & 1)];
-    };
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       const int gi = 2 * ch + par;
@@ -110,7 +106,8 @@
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           uint32_t bw[8];
-          dequant8<MT == 1>(wword(nt, 2 * par), wword(nt, 2 * par + 1), scol(nt, par), bw);
+          dequant8<MT == 1>(wword(nt, 2 * par), wword(nt, 2 * par + 1),
+                            col_scale(&ring[warp][slot][nt][32], g, par), bw);
           group_mma(acc[mt][nt], xa, bw);
         }
       }

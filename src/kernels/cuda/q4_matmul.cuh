@@ -50,6 +50,13 @@ __device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t sb
   }
 }
 
+// the (scale, bias) bf16 pair of group par (of a chunk's two) of column col of a tile,
+// from the tile's 4 scale uint4s (q4_pack: pair col / 2, word 2 par + col % 2): the pair
+// dequant8 takes for a B fragment's column
+__device__ __forceinline__ uint32_t col_scale(const uint4* scales, int col, int par) {
+  return reinterpret_cast<const uint32_t*>(scales + (col >> 1))[2 * par + (col & 1)];
+}
+
 // one 32-bit load (global, or shared when SHARED), kept apart: merged vector loads put a
 // fragment's words in registers the mma cannot take as they are, and the compiler then
 // moves them for every mma

@@ -88,13 +88,11 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
         const int tl = e / 36, q = e % 36;
         if (q < 32) {
           const uint4 w = wd[e];
-          const uint4 sc = wd[tl * 36 + 32 + (q >> 3)];  // column g' = q / 4: pair g' % 2
-          const bool odd = (q >> 2) & 1;
 #pragma unroll
           for (int par = 0; par < 2; ++par) {
             uint32_t b[8];
-            const uint32_t sb = par ? (odd ? sc.w : sc.z) : (odd ? sc.y : sc.x);
-            dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, sb, b);
+            dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, col_scale(wd + tl * 36 + 32, q >> 2, par),
+                            b);
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
