@@ -19,6 +19,17 @@
 // 128 columns: a warp's 16 rows of x are the A fragments mma.sync takes (from registers),
 // and the chunk's eight k16 steps chain into the accumulators as group_mma's do, while the
 // block dequantizes the next chunk into the other buffer.
+//
+// The pipelining: a chunk's multiply is waited for only after the next chunk's is issued
+// (wgmma.wait_group 1), so the tensor pipe has work queued while the block dequantizes and
+// stages, instead of idling from each chunk's last k16 step until the next chunk's first.
+// The order of the sums is untouched: one warpgroup's wgmmas on the same accumulators run
+// in the order issued, so acc chains chunk 0's steps, then chunk 1's, ...; where a K range
+// ends, wait_group 0 lets acc be read and folded as before. What that costs: wgmma reads
+// its A fragments from registers while it runs, so chunk ch's fragments are kept until
+// chunk ch + 1's wait retires it (two register sets, by chunk parity), and a D buffer is
+// overwritten (the dequant of chunk ch + 1) only after every warpgroup's wait has retired
+// chunk ch - 1, the buffer's reader (the wait comes before the barrier that precedes it).
 
 // d (64 floats: n8 tile j at d[4j..4j+3], mma.sync's C layout) += a (this warp's 16 rows of
 // one k16 step, mma.sync's A fragment) times the 128 x 16 B at desc
@@ -112,18 +123,27 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
   asm("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }" : "=r"(dbase)
       : "l"(dstage(0)));
 
-  issue(0);
-  cp_async_wait<0>();
-  __syncthreads();
-  dequant(0);
-#pragma unroll 1
-  for (int ch = 0; ch < chunks; ++ch) {
-    // chunk ch is dequantized and its x has landed (every thread's work); chunk ch - 1's
-    // stages and products are done with
+  // the registers wgmma read (xg, xp) and wrote (acc) stay where they were until it is done
+  // with them: empty asm that reads and writes them, after the wait that retires it
+  auto keep_x = [&](uint32_t (&xs)[2][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+r"((&xs[0][0][0])[i]) :: "memory");
+  };
+  auto keep_acc = [&]() {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"((&acc[0][0])[i]) :: "memory");
+  };
+  // chunk ch, its A fragments loaded into xg while chunk ch - 1's multiply, which read xp,
+  // may still run (xg and xp: two named register sets, swapped by the caller a chunk apart,
+  // never indexed at run time, which would put them in local memory)
+  auto step = [&](int ch, uint32_t (&xg)[2][4][4], uint32_t (&xp)[2][4][4]) {
+    // chunk ch is dequantized and its x has landed (every thread's work); stage
+    // (ch + 1) % STAGES is done with: its x went to registers in chunk ch - 1's step, its
+    // codes were dequantized in chunk ch - 2's
     __syncthreads();
     issue(ch + 1);
     const __nv_bfloat16* xt = xstage(ch % STAGES) + (warp * 16) * XROW;
-    uint32_t xg[2][4][4];  // both groups' A fragments: wgmma reads them while it runs
+    // xg held chunk ch - 2's fragments, retired by chunk ch - 1's wait_group 1
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       // this warp's 16 rows of the group, k = 64 par + 16t .. + 15 (as fetch_x)
@@ -136,7 +156,8 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
         for (int i = 0; i < 4; ++i) xg[par][st][i] = xa[st][i];
     }
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    // the chunk's 8 k16 steps chained into acc, group after group (group_mma's order)
+    // the chunk's 8 k16 steps chained into acc, group after group (group_mma's order),
+    // queued behind chunk ch - 1's if it still runs (same accumulators: in issue order)
 #pragma unroll
     for (int st8 = 0; st8 < 8; ++st8) {
       const unsigned at = dbase + (ch & 1) * DS * 16 + st8 * 4096;
@@ -145,17 +166,20 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
       wgmma_m64n128k16(&acc[0][0], xg[st8 >> 2][st8 & 3], desc);
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    // the next chunk dequantized under the multiply, into the other buffer
+    // chunk ch - 1's multiply done (this warpgroup's), chunk ch's left running: xp and
+    // dstage(ch - 1) are free once every thread has passed here (the barrier below)
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    keep_x(xp);
+    keep_acc();
+    // the next chunk dequantized under the multiply, into the buffer chunk ch - 1 read
     cp_async_wait<0>();
     __syncthreads();  // chunk ch + 1's codes and scales have landed, every thread's
     dequant(ch + 1);
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    // the registers wgmma read and wrote stay where they were until it is done
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+r"((&xg[0][0][0])[i]) :: "memory");
-#pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"((&acc[0][0])[i]) :: "memory");
     if ((ch + 1) % per_range == 0) {
+      // a K range ends: chunk ch's multiply done before acc is read
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      keep_x(xg);
+      keep_acc();
       const bool first = ch + 1 == per_range;
 #pragma unroll
       for (int j = 0; j < TILES; ++j)
@@ -165,7 +189,25 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
           acc[j][c] = 0.0f;
         }
     }
+  };
+
+  issue(0);
+  cp_async_wait<0>();
+  __syncthreads();
+  dequant(0);
+  // chunk ch's A fragments: xA for even ch, xB for odd (zeros: the first wait's xp)
+  uint32_t xA[2][4][4], xB[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) (&xA[0][0][0])[i] = (&xB[0][0][0])[i] = 0u;
+#pragma unroll 1
+  for (int ch = 0; ch + 1 < chunks; ch += 2) {
+    step(ch, xA, xB);
+    step(ch + 1, xB, xA);
   }
+  if (chunks & 1) step(chunks - 1, xA, xB);
+  // no multiply outlives the loop (the last chunk ends a K range: only a guard)
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  keep_acc();
 
 #pragma unroll
   for (int j = 0; j < TILES; ++j)
