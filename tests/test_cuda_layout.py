@@ -47,11 +47,15 @@ def _as_kernel_reads(wp: np.ndarray, sp: np.ndarray, n: int, k: int
                             kk = 64 * group + 16 * t + 4 * s + 2 * half
                             codes[col, kk] = v & 0xF
                             codes[col, kk + 1] = (v >> 16) & 0xF
-                    for j in range(2):  # sword(nt, 2 par + j): columns 2t + j of the tile
-                        sb = np.uint32(sp[tile, c, t, 2 * par + j])
-                        scol = 8 * tile + 2 * t + j
-                        scales[scol, group] = _bf16(np.array([sb & 0xFFFF]))[0]
-                        biases[scol, group] = _bf16(np.array([sb >> 16]))[0]
+                    # scol(nt, par): the pair of the lane's own column g (its B fragment's),
+                    # word 2 par + g % 2 of the scale lane g // 2
+                    sb = np.uint32(sp[tile, c, g // 2, 2 * par + g % 2])
+                    for name, got in (("scale", sb & 0xFFFF), ("bias", sb >> 16)):
+                        seen = scales if name == "scale" else biases
+                        v = _bf16(np.array([got]))[0]
+                        # every lane of a column reads the same pair
+                        assert np.isnan(seen[col, group]) or seen[col, group] == v, (col, group)
+                        seen[col, group] = v
     return codes, scales, biases
 
 

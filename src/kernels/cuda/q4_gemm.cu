@@ -11,8 +11,8 @@
 // 128 columns, each weight dequantized once per 64 rows.
 //
 // The bits: q4_matmul gives warp w of a block the chunks [w * per_warp, (w + 1) *
-// per_warp) (per_warp = chunks / KSPLIT), sums each group into its accumulator with
-// group_mma, and adds the KSPLIT partials in warp order. This block walks the chunks in
+// per_warp) (per_warp = chunks / KSPLIT), chains each group's mma steps into its
+// accumulator (group_mma), and adds the KSPLIT partials in warp order. This block walks the chunks in
 // order with one accumulator that restarts at zero at each of those boundaries, and
 // keeps the running sum of the finished partials (p0, then p0 + p1, ...) in shared memory:
 // every element gets the same operations in the same order, so the same bits.
@@ -87,14 +87,12 @@
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       // the warp's 4 column tiles of this group, dequantized once for its 64 rows
-      uint32_t bq[4][8], sb0[4], sb1[4];
+      uint32_t bw[4][8];
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const uint4 w = wt[nt * 36 + lane];
-        const uint4 sc = wt[nt * 36 + 32 + t];
-        dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, bq[nt]);
-        sb0[nt] = par ? sc.z : sc.x;
-        sb1[nt] = par ? sc.w : sc.y;
+        dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, col_scale(wt + nt * 36 + 32, g, par),
+                        bw[nt]);
       }
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
@@ -102,11 +100,8 @@
         const uint4* p0 = reinterpret_cast<const uint4*>(xt + (mt * 16 + g) * XROW + par * 64 + 16 * t);
         const uint4* p1 = reinterpret_cast<const uint4*>(xt + (mt * 16 + g + 8) * XROW + par * 64 + 16 * t);
 @XA@
-        float xs0, xs1;
-        row_sums(xa, xs0, xs1);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          group_mma(acc[mt][nt], xa, bq[nt], sb0[nt], sb1[nt], xs0, xs1);
+        for (int nt = 0; nt < 4; ++nt) group_mma(acc[mt][nt], xa, bw[nt]);
       }
     }
     if ((ch + 1) % per_range == 0) {  // the end of a K range: fold its partial into the sum

@@ -93,26 +93,22 @@
     auto wword = [&](int nt, int j) -> uint32_t {
       return reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][lane])[j];
     };
-    auto sword = [&](int nt, int j) -> uint32_t {
-      return reinterpret_cast<const uint32_t*>(&ring[warp][slot][nt][32 + t])[j];
-    };
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       const int gi = 2 * ch + par;
       // row tile by row tile: x once per row tile, each column tile dequantized where it
-      // is multiplied (exact, so recomputing it per row tile changes no bits)
+      // is multiplied (the same rounding each time, so recomputing it changes no bits)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt >= mt_live) break;
         uint32_t xa[4][4];
-        float xs0, xs1;
         fetch_x<MT == 1, NORM>(xin, M, K, m_base + mt * 16 + g, gi, t, xa);  // (see fetch_x)
-        row_sums(xa, xs0, xs1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          uint32_t bq[8];
-          dequant8<MT == 1>(wword(nt, 2 * par), wword(nt, 2 * par + 1), bq);
-          group_mma(acc[mt][nt], xa, bq, sword(nt, 2 * par), sword(nt, 2 * par + 1), xs0, xs1);
+          uint32_t bw[8];
+          dequant8<MT == 1>(wword(nt, 2 * par), wword(nt, 2 * par + 1),
+                            col_scale(&ring[warp][slot][nt][32], g, par), bw);
+          group_mma(acc[mt][nt], xa, bw);
         }
       }
     }

@@ -1,6 +1,6 @@
 // The 4-bit matmul's device helpers (after common.cuh, cp_async.cuh, mma.cuh and
-// norm_row.cuh): dequantization of the packed codes, x fragment loads, row sums
-// and one group's multiply-accumulate.
+// norm_row.cuh): dequantization of the packed codes, x fragment loads and one group's
+// multiply-accumulate.
 
 
 // two 4-bit codes as two exact bf16 values: q4_pack stores each word's codes interleaved
@@ -27,16 +27,34 @@ __device__ __forceinline__ uint32_t q4_pair(uint32_t w, int j) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// the 16 codes of one 64-wide group this thread holds (two words) as mma B fragments:
-// bq[2s], bq[2s+1] = k-slots (2t, 2t+1) and (2t+8, 2t+9) of step s
+// the 16 codes of one 64-wide group this thread holds (two words), dequantized as mma B
+// fragments: bq[2s], bq[2s+1] = k-slots (2t, 2t+1) and (2t+8, 2t+9) of step s, each weight
+// bf16(scale * q + bias) in one rounding (a bf16x2 fma of the exact code). sb: the (scale,
+// bias) bf16 pair of the fragment's column (column g of its tile: all 16 weights share it).
+// This rounding is the GPU's 4-bit weight: every kernel dequantizes with it, so they keep
+// each other's bits.
 template <bool LEAN>
-__device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t* bq) {
+__device__ __forceinline__ void dequant8(uint32_t wlo, uint32_t whi, uint32_t sb, uint32_t* bq) {
+  const uint32_t ss = __byte_perm(sb, 0, 0x1010), bb = __byte_perm(sb, 0, 0x3232);
+  const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162*>(&ss);
+  const __nv_bfloat162 b2 = *reinterpret_cast<const __nv_bfloat162*>(&bb);
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const uint32_t word = s < 2 ? wlo : whi;
-    bq[2 * s] = q4_pair<LEAN>(word, 2 * (s & 1));  // codes 4(s&1), +1 of the word
-    bq[2 * s + 1] = q4_pair<LEAN>(word, 2 * (s & 1) + 1);  // codes 4(s&1) + 2, + 3
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // codes 4(s&1) + 2h, + 1 of the word
+      const uint32_t q = q4_pair<LEAN>(word, 2 * (s & 1) + h);
+      __nv_bfloat162 w = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&q), s2, b2);
+      bq[2 * s + h] = *reinterpret_cast<uint32_t*>(&w);
+    }
   }
+}
+
+// the (scale, bias) bf16 pair of group par (of a chunk's two) of column col of a tile,
+// from the tile's 4 scale uint4s (q4_pack: pair col / 2, word 2 par + col % 2): the pair
+// dequant8 takes for a B fragment's column
+__device__ __forceinline__ uint32_t col_scale(const uint4* scales, int col, int par) {
+  return reinterpret_cast<const uint32_t*>(scales + (col >> 1))[2 * par + (col & 1)];
 }
 
 // one 32-bit load (global, or shared when SHARED), kept apart: merged vector loads put a
@@ -107,30 +125,10 @@ __device__ __forceinline__ void fetch_x(const __nv_bfloat16* x, int M, int K, in
   }
 }
 
-// each row's sum over the whole group: four mma steps against all-ones columns (xs0 = row
-// r0's sum, xs1 = row r1's) cost four tensor instructions instead of ~70 ALU ones, and every
-// row's sum is still its own dot product
-__device__ __forceinline__ void row_sums(const uint32_t (*a)[4], float& xs0, float& xs1) {
-  constexpr uint32_t ONES = 0x3F803F80u;  // two bf16 1.0
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+// one 64-wide group of one 16-row x 8-column tile: the four mma steps on the dequantized
+// weights (dequant8), summed straight into acc (columns 2t, 2t+1 of rows g, g+8): a K
+// range's product is one float32 chain of k16 steps, group after group
+__device__ __forceinline__ void group_mma(float* a, const uint32_t (*x)[4], const uint32_t* bw) {
 #pragma unroll
-  for (int s = 0; s < 4; ++s) mma_bf16(c, a[s][0], a[s][1], a[s][2], a[s][3], ONES, ONES);
-  xs0 = c[0];
-  xs1 = c[2];
-}
-
-// one 64-wide group of one 16-row x 8-column tile: the four mma steps on the raw codes,
-// then acc += scale * (x . q) + bias * sum(x) for columns 2t, 2t+1 of rows g, g+8.
-// sb0 / sb1: (scale, bias) bf16 pairs of columns 2t and 2t+1.
-__device__ __forceinline__ void group_mma(float* a, const uint32_t (*x)[4], const uint32_t* bq,
-                                          uint32_t sb0, uint32_t sb1, float xs0, float xs1) {
-  float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int s = 0; s < 4; ++s)
-    mma_bf16(tmp, x[s][0], x[s][1], x[s][2], x[s][3], bq[2 * s], bq[2 * s + 1]);
-  const float s0 = bf_lo(sb0), b0 = bf_hi(sb0), s1 = bf_lo(sb1), b1 = bf_hi(sb1);
-  a[0] = __fmaf_rn(s0, tmp[0], __fmaf_rn(b0, xs0, a[0]));
-  a[1] = __fmaf_rn(s1, tmp[1], __fmaf_rn(b1, xs0, a[1]));
-  a[2] = __fmaf_rn(s0, tmp[2], __fmaf_rn(b0, xs1, a[2]));
-  a[3] = __fmaf_rn(s1, tmp[3], __fmaf_rn(b1, xs1, a[3]));
+  for (int s = 0; s < 4; ++s) mma_bf16(a, x[s][0], x[s][1], x[s][2], x[s][3], bw[2 * s], bw[2 * s + 1]);
 }

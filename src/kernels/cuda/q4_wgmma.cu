@@ -12,13 +12,24 @@
 //
 // As in q4_gemm.cu, a block of 256 threads takes 128 rows x 128 columns, x and the packed
 // weights staged a 128-wide chunk of K at a time (a cp.async ring of two). Unlike it, each
-// thread dequantizes the codes it copied as they land, once for the block, into wgmma's
-// layout for B (K-major, no swizzle: core matrices of 8 columns x 8 k, 128 bytes; a k16
-// step's two k halves 128 bytes apart, its 16 column groups 256 apart, its 4 KB after the
-// step before), and each of the two warpgroups multiplies its 64 rows by all 128 columns:
-// a warp's 16 rows of x are the A fragments mma.sync takes (from registers), the group's
-// four k16 steps sum into tmp from zero, and tmp is scaled into the accumulators as
-// group_mma does. The row sums stay on mma.sync (row_sums).
+// thread dequantizes the codes it copied (dequant8: bf16(scale * q + bias)), once for the
+// block, into wgmma's layout for B (K-major, no swizzle: core matrices of 8 columns x 8 k,
+// 128 bytes; a k16 step's two k halves 128 bytes apart, its 16 column groups 256 apart, its
+// 4 KB after the step before), and each of the two warpgroups multiplies its 64 rows by all
+// 128 columns: a warp's 16 rows of x are the A fragments mma.sync takes (from registers),
+// and the chunk's eight k16 steps chain into the accumulators as group_mma's do, while the
+// block dequantizes the next chunk into the other buffer.
+//
+// The pipelining: a chunk's multiply is waited for only after the next chunk's is issued
+// (wgmma.wait_group 1), so the tensor pipe has work queued while the block dequantizes and
+// stages, instead of idling from each chunk's last k16 step until the next chunk's first.
+// The order of the sums is untouched: one warpgroup's wgmmas on the same accumulators run
+// in the order issued, so acc chains chunk 0's steps, then chunk 1's, ...; where a K range
+// ends, wait_group 0 lets acc be read and folded as before. What that costs: wgmma reads
+// its A fragments from registers while it runs, so chunk ch's fragments are kept until
+// chunk ch + 1's wait retires it (two register sets, by chunk parity), and a D buffer is
+// overwritten (the dequant of chunk ch + 1) only after every warpgroup's wait has retired
+// chunk ch - 1, the buffer's reader (the wait comes before the barrier that precedes it).
 
 // d (64 floats: n8 tile j at d[4j..4j+3], mma.sync's C layout) += a (this warp's 16 rows of
 // one k16 step, mma.sync's A fragment) times the 128 x 16 B at desc
@@ -76,9 +87,10 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
     }
     cp_async_commit();
   };
-  // the codes this thread copied of chunk ch, dequantized: lane q = 4 g' + t' of tile tl
-  // holds column 8 tl + g' at k-slots 2t', 2t' + 1 (word 2s of dequant8's step s) and
-  // 2t' + 8, 2t' + 9 (word 2s + 1); then made visible to wgmma's reads (the async proxy)
+  // the codes this thread copied of chunk ch, dequantized (dequant8, with the scales of
+  // their column, which other threads copied): lane q = 4 g' + t' of tile tl holds column
+  // 8 tl + g' at k-slots 2t', 2t' + 1 (word 2s of dequant8's step s) and 2t' + 8, 2t' + 9
+  // (word 2s + 1); then made visible to wgmma's reads (the async proxy)
   auto dequant = [&](int ch) {
     if (ch < chunks) {
       const uint4* wd = wstage(ch % STAGES);
@@ -90,7 +102,8 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
 #pragma unroll
           for (int par = 0; par < 2; ++par) {
             uint32_t b[8];
-            dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, b);
+            dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, col_scale(wd + tl * 36 + 32, q >> 2, par),
+                            b);
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -110,49 +123,63 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
   asm("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }" : "=r"(dbase)
       : "l"(dstage(0)));
 
-  issue(0);
-  cp_async_wait<0>();
-  dequant(0);
-#pragma unroll 1
-  for (int ch = 0; ch < chunks; ++ch) {
+  // the registers wgmma read (xg, xp) and wrote (acc) stay where they were until it is done
+  // with them: empty asm that reads and writes them, after the wait that retires it
+  auto keep_x = [&](uint32_t (&xs)[2][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+r"((&xs[0][0][0])[i]) :: "memory");
+  };
+  auto keep_acc = [&]() {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"((&acc[0][0])[i]) :: "memory");
+  };
+  // chunk ch, its A fragments loaded into xg while chunk ch - 1's multiply, which read xp,
+  // may still run (xg and xp: two named register sets, swapped by the caller a chunk apart,
+  // never indexed at run time, which would put them in local memory)
+  auto step = [&](int ch, uint32_t (&xg)[2][4][4], uint32_t (&xp)[2][4][4]) {
+    // chunk ch is dequantized and its x has landed (every thread's work); stage
+    // (ch + 1) % STAGES is done with: its x went to registers in chunk ch - 1's step, its
+    // codes were dequantized in chunk ch - 2's
     __syncthreads();
     issue(ch + 1);
-    const int s = ch % STAGES;
-    const __nv_bfloat16* xt = xstage(s) + (warp * 16) * XROW;
-    const uint4* wt = wstage(s);
-#pragma unroll 1
+    const __nv_bfloat16* xt = xstage(ch % STAGES) + (warp * 16) * XROW;
+    // xg held chunk ch - 2's fragments, retired by chunk ch - 1's wait_group 1
+#pragma unroll
     for (int par = 0; par < 2; ++par) {
       // this warp's 16 rows of the group, k = 64 par + 16t .. + 15 (as fetch_x)
       const uint4* p0 = reinterpret_cast<const uint4*>(xt + g * XROW + par * 64 + 16 * t);
       const uint4* p1 = reinterpret_cast<const uint4*>(xt + (g + 8) * XROW + par * 64 + 16 * t);
 @XA@
-      float tmp[64];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) tmp[i] = 0.0f;
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      for (int st = 0; st < 4; ++st)
 #pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const unsigned at = dbase + (ch & 1) * DS * 16 + (4 * par + st) * 4096;
-        const uint64_t desc = (uint64_t)((at & 0x3FFFFu) >> 4) | ((uint64_t)(128 >> 4) << 16)
-                              | ((uint64_t)(256 >> 4) << 32);
-        wgmma_m64n128k16(tmp, xa[st], desc);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      float xs0, xs1;
-      row_sums(xa, xs0, xs1);
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-      for (int j = 0; j < TILES; ++j) {
-        const uint4 sc = wt[j * 36 + 32 + t];
-        const uint32_t sb0 = par ? sc.z : sc.x, sb1 = par ? sc.w : sc.y;
-        const float s0 = bf_lo(sb0), b0 = bf_hi(sb0), s1 = bf_lo(sb1), b1 = bf_hi(sb1);
-        acc[j][0] = __fmaf_rn(s0, tmp[4 * j], __fmaf_rn(b0, xs0, acc[j][0]));
-        acc[j][1] = __fmaf_rn(s1, tmp[4 * j + 1], __fmaf_rn(b1, xs0, acc[j][1]));
-        acc[j][2] = __fmaf_rn(s0, tmp[4 * j + 2], __fmaf_rn(b0, xs1, acc[j][2]));
-        acc[j][3] = __fmaf_rn(s1, tmp[4 * j + 3], __fmaf_rn(b1, xs1, acc[j][3]));
-      }
+        for (int i = 0; i < 4; ++i) xg[par][st][i] = xa[st][i];
     }
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    // the chunk's 8 k16 steps chained into acc, group after group (group_mma's order),
+    // queued behind chunk ch - 1's if it still runs (same accumulators: in issue order)
+#pragma unroll
+    for (int st8 = 0; st8 < 8; ++st8) {
+      const unsigned at = dbase + (ch & 1) * DS * 16 + st8 * 4096;
+      const uint64_t desc = (uint64_t)((at & 0x3FFFFu) >> 4) | ((uint64_t)(128 >> 4) << 16)
+                            | ((uint64_t)(256 >> 4) << 32);
+      wgmma_m64n128k16(&acc[0][0], xg[st8 >> 2][st8 & 3], desc);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    // chunk ch - 1's multiply done (this warpgroup's), chunk ch's left running: xp and
+    // dstage(ch - 1) are free once every thread has passed here (the barrier below)
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    keep_x(xp);
+    keep_acc();
+    // the next chunk dequantized under the multiply, into the buffer chunk ch - 1 read
+    cp_async_wait<0>();
+    __syncthreads();  // chunk ch + 1's codes and scales have landed, every thread's
+    dequant(ch + 1);
     if ((ch + 1) % per_range == 0) {
+      // a K range ends: chunk ch's multiply done before acc is read
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      keep_x(xg);
+      keep_acc();
       const bool first = ch + 1 == per_range;
 #pragma unroll
       for (int j = 0; j < TILES; ++j)
@@ -162,9 +189,25 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
           acc[j][c] = 0.0f;
         }
     }
-    cp_async_wait<0>();
-    dequant(ch + 1);
+  };
+
+  issue(0);
+  cp_async_wait<0>();
+  __syncthreads();
+  dequant(0);
+  // chunk ch's A fragments: xA for even ch, xB for odd (zeros: the first wait's xp)
+  uint32_t xA[2][4][4], xB[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) (&xA[0][0][0])[i] = (&xB[0][0][0])[i] = 0u;
+#pragma unroll 1
+  for (int ch = 0; ch + 1 < chunks; ch += 2) {
+    step(ch, xA, xB);
+    step(ch + 1, xB, xA);
   }
+  if (chunks & 1) step(chunks - 1, xA, xB);
+  // no multiply outlives the loop (the last chunk ends a K range: only a guard)
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  keep_acc();
 
 #pragma unroll
   for (int j = 0; j < TILES; ++j)
