@@ -20,8 +20,10 @@ time per kernel with the caches flushed before each, as a step reads its weights
   all its rows (12.0 -> 13.6 µs for the QKV launch at one row), but a launch per norm goes:
   a 1-row decode step 3,529 -> 3,333 µs under Nsight Compute, 235 -> 170 kernels.
 * q4_matmul, SwiGLU in the epilogue for launches of one row tile, else the `swiglu` kernel
-  after it: the epilogue costs a block of two row tiles 130 registers instead of 128 (nvcc
-  13, sm_90a), half its occupancy.
+  after it: under the per-group float32 rule before 2026-12-07 the epilogue cost a block of
+  two row tiles 130 registers instead of 128 (nvcc 13, sm_90a), half its occupancy. The
+  bf16(s*q+b) rule left that block at 114 (bench/cuda_registers.py); whether the epilogue
+  now pays there has not been measured.
 * q4_gemm (`q4_gemm`): launches of `GEMM_ROWS` rows or more whose columns fill
   `GEMM_BLOCKS` blocks of 128 x 128 run q4_gemm instead of q4_matmul's tiles (the same
   bits). Llama-3-8B shape, one engine on an H100 prefilling cold prompts in 1,024-token
@@ -31,7 +33,7 @@ time per kernel with the caches flushed before each, as a step reads its weights
   `bench/gpu.sh kernel_ab`, 1,024 rows, two rounds each, q4_gemm -> q4_wgmma: gate+up
   1.59-1.67 -> 1.46 ms, down 0.75 -> 0.68-0.69, QKV 0.386 -> 0.376-0.394, O 0.265 ->
   0.244; 512 rows likewise except O (0.144-0.154 -> 0.144-0.165).
-* q4_matmul, the residual add in the epilogue of every launch: no register cost (128), one
+* q4_matmul, the residual add in the epilogue of every launch: no register cost (128 then), one
   launch and graph op fewer per projection (64 a step); engine sweeps with and without it
   were within noise of each other.
 * paged_attention, a block per tile part (the tile's rows of one slot, up to 64 mma rows of

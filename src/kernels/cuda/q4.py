@@ -2,9 +2,9 @@
 
 MLX 0.32's CUDA 4-bit matmul reads weights at 90-530 GB/s of the H200's ~3 TB/s at
 decode row counts and changes kernels (and so a row's bits) at 8 rows. This one
-multiplies x by the raw 4-bit codes on the tensor cores (exact in bf16), scales each
-64-wide group's result in float32 and sums the K split's partials in warp order, so a
-row's bits never depend on the launch's row count. Prefill row counts run q4_gemm.cu
+dequantizes each weight as bf16(scale * q + bias) in one rounding, chains the tensor-core
+steps of a warp's K range into one float32 sum and adds the K split's partials in warp
+order, so a row's bits never depend on the launch's row count. Prefill row counts run q4_gemm.cu
 (q4_wgmma.cu on Hopper), which does the same operations in the same order in larger tiles.
 """
 

@@ -25,7 +25,8 @@
   // the shapes through an opaque move: MLX passes them as grid constants, and with them
   // visible as such nvcc builds this loop in 196 registers, slower than the 248 it takes
   // when they are plain values (the CuPy harness's pointer form ran 142-160 TFLOPS at 1,024
-  // rows where MLX's form ran 115-135)
+  // rows where MLX's form ran 115-135; counts of the per-group float32 rule before
+  // 2026-12-07: the bf16(s*q+b) rule takes 162)
   int M, K, N;
   asm volatile("mov.b32 %0, %1;" : "=r"(M) : "r"((int)x_shape[0]));
   asm volatile("mov.b32 %0, %1;" : "=r"(K) : "r"((int)x_shape[1]));
