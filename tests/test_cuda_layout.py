@@ -47,11 +47,10 @@ def _as_kernel_reads(wp: np.ndarray, sp: np.ndarray, n: int, k: int
                             kk = 64 * group + 16 * t + 4 * s + 2 * half
                             codes[col, kk] = v & 0xF
                             codes[col, kk + 1] = (v >> 16) & 0xF
-                    # scol(nt, par): the pair of the lane's own column g (its B fragment's),
-                    # word 2 par + g % 2 of the scale lane g // 2
+                    # col_scale(scales, g, par): the pair of the lane's own column g (its B
+                    # fragment's), word 2 par + g % 2 of the scale lane g // 2
                     sb = np.uint32(sp[tile, c, g // 2, 2 * par + g % 2])
-                    for name, got in (("scale", sb & 0xFFFF), ("bias", sb >> 16)):
-                        seen = scales if name == "scale" else biases
+                    for seen, got in ((scales, sb & 0xFFFF), (biases, sb >> 16)):
                         v = _bf16(np.array([got]))[0]
                         # every lane of a column reads the same pair
                         assert np.isnan(seen[col, group]) or seen[col, group] == v, (col, group)

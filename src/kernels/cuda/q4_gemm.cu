@@ -12,10 +12,11 @@
 //
 // The bits: q4_matmul gives warp w of a block the chunks [w * per_warp, (w + 1) *
 // per_warp) (per_warp = chunks / KSPLIT), chains each group's mma steps into its
-// accumulator (group_mma), and adds the KSPLIT partials in warp order. This block walks the chunks in
-// order with one accumulator that restarts at zero at each of those boundaries, and
-// keeps the running sum of the finished partials (p0, then p0 + p1, ...) in shared memory:
-// every element gets the same operations in the same order, so the same bits.
+// accumulator (group_mma), and adds the KSPLIT partials in warp order. This block walks
+// the chunks in order with one accumulator that restarts at zero at each of those
+// boundaries, and keeps the running sum of the finished partials (p0, then p0 + p1, ...)
+// in shared memory: every element gets the same operations in the same order, so the
+// same bits.
 //
 // N is a multiple of 128 (launch.py sends other widths to q4_matmul). Template: KSPLIT
 // (k_split of K's chunks: the summation order), STAGES, RESID (y = product + res).
