@@ -19,11 +19,10 @@ time per kernel with the caches flushed before each, as a step reads its weights
   `NORM_ROWS` rows, else the `rms_rows` kernel first. Every block of the launch normalizes
   all its rows (12.0 -> 13.6 µs for the QKV launch at one row), but a launch per norm goes:
   a 1-row decode step 3,529 -> 3,333 µs under Nsight Compute, 235 -> 170 kernels.
-* q4_matmul, SwiGLU in the epilogue for launches of one row tile, else the `swiglu` kernel
-  after it: under the per-group float32 rule before 2026-12-07 the epilogue cost a block of
-  two row tiles 130 registers instead of 128 (nvcc 13, sm_90a), half its occupancy. The
-  bf16(s*q+b) rule left that block at 114 (bench/cuda_registers.py); whether the epilogue
-  now pays there has not been measured.
+* q4_matmul, SwiGLU in the epilogue of every launch: under the per-group float32 rule
+  before 2026-12-07 it cost a block of two row tiles 130 registers instead of 128 (nvcc
+  13, sm_90a), half its occupancy, so those launches ran the `swiglu` kernel after them;
+  the bf16(s*q+b) rule keeps that block at 114 with the epilogue (bench/cuda_registers.py).
 * q4_gemm (`q4_gemm`): launches of `GEMM_ROWS` rows or more whose columns fill
   `GEMM_BLOCKS` blocks of 128 x 128 run q4_gemm instead of q4_matmul's tiles (the same
   bits). Llama-3-8B shape, one engine on an H100 prefilling cold prompts in 1,024-token
@@ -149,7 +148,7 @@ def q4_shape(m: int, n: int, *, norm: bool = False, gate_up: bool = False) -> Q4
         nt //= 2
     one_tile = shape.mt == 1
     return Q4Shape(shape.mt, nt, shape.stages, norm=norm and one_tile and m <= NORM_ROWS,
-                   swiglu=gate_up and one_tile)
+                   swiglu=gate_up)
 
 
 def q4_shared_bytes(shape: Q4Shape, ksplit: int, m: int, k: int) -> int:
