@@ -23,6 +23,7 @@ time per kernel with the caches flushed before each, as a step reads its weights
   before 2026-12-07 it cost a block of two row tiles 130 registers instead of 128 (nvcc
   13, sm_90a), half its occupancy, so those launches ran the `swiglu` kernel after them;
   the bf16(s*q+b) rule keeps that block at 114 with the epilogue (bench/cuda_registers.py).
+  H100, one decode step under Nsight Compute: 64 rows 9,846 -> 9,594 µs (-2.5 %).
 * q4_gemm (`q4_gemm`): launches of `GEMM_ROWS` rows or more whose columns fill
   `GEMM_BLOCKS` blocks of 128 x 128 run q4_gemm instead of q4_matmul's tiles (the same
   bits). Llama-3-8B shape, one engine on an H100 prefilling cold prompts in 1,024-token
