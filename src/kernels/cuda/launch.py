@@ -178,10 +178,10 @@ def q4_gemm_shared_bytes() -> int:
 
 
 def q4_wgmma_shared_bytes() -> int:
-    """Dynamic shared memory of a q4_wgmma launch: q4_gemm's stages (its own ring of 2),
-    two chunks' codes dequantized into wgmma's B layout (bf16, 32 KB each), then the running
-    sums."""
-    return 2 * _GEMM_STAGE_BYTES + 2 * 16 * 128 * 16 + _GEMM_SUMS_BYTES
+    """Dynamic shared memory of a q4_wgmma launch: a ring of 4 chunks of 16 column tiles'
+    weights and scales (x goes to registers, not shared memory), two chunks' codes
+    dequantized into wgmma's B layout (bf16, 32 KB each), then the running sums."""
+    return 4 * 16 * 36 * 16 + 2 * 16 * 128 * 16 + _GEMM_SUMS_BYTES
 
 
 def rms_threads(k: int) -> int:

@@ -55,7 +55,9 @@
   const uint4* sv = reinterpret_cast<const uint4*>(sp);
   auto issue = [&](int ch) {  // chunk ch's x and weight tiles into stage ch % STAGES
     if (ch < chunks) {
-@STAGE@
+      const int s = ch % STAGES;
+@STAGE_X@
+@STAGE_W@
     }
     cp_async_commit();
   };

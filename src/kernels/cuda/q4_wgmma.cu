@@ -10,10 +10,14 @@
 // The bits: bench/wgmma_probe.py found wgmma's k16 steps give mma.sync's float32 bits
 // (H100, every element of 1-, 4- and 16-step products); the rest is q4_gemm's order.
 //
-// As in q4_gemm.cu, a block of 256 threads takes 128 rows x 128 columns, x and the packed
-// weights staged a 128-wide chunk of K at a time (a cp.async ring of two). Unlike it, each
-// thread dequantizes the codes it copied (dequant8: bf16(scale * q + bias)), once for the
-// block, into wgmma's layout for B (K-major, no swizzle: core matrices of 8 columns x 8 k,
+// As in q4_gemm.cu, a block of 256 threads takes 128 rows x 128 columns, a 128-wide chunk
+// of K at a time. Unlike it, only the packed weights are staged in shared memory (a
+// cp.async ring of four chunks, 9 KB each); a warp's 16 rows of x go from global memory
+// (L2) straight into the registers of its A fragments, loaded a chunk before their
+// multiply. Staging x too (32 KB a chunk) left room for a ring of two only, whose copy was
+// waited for in the step that issued it: on an H100 at 1,024 rows gate+up took 1.02 ms
+// that way, 0.79 ms this way. Each thread dequantizes two uint4 of codes (dequant8:
+// bf16(scale * q + bias)), once for the block, into wgmma's layout for B (K-major, no swizzle: core matrices of 8 columns x 8 k,
 // 128 bytes; a k16 step's two k halves 128 bytes apart, its 16 column groups 256 apart, its
 // 4 KB after the step before), and each of the two warpgroups multiplies its 64 rows by all
 // 128 columns: a warp's 16 rows of x are the A fragments mma.sync takes (from registers),
@@ -22,7 +26,7 @@
 //
 // The pipelining: a chunk's multiply is waited for only after the next chunk's is issued
 // (wgmma.wait_group 1), so the tensor pipe has work queued while the block dequantizes and
-// stages, instead of idling from each chunk's last k16 step until the next chunk's first.
+// loads, instead of idling from each chunk's last k16 step until the next chunk's first.
 // The order of the sums is untouched: one warpgroup's wgmmas on the same accumulators run
 // in the order issued, so acc chains chunk 0's steps, then chunk 1's, ...; where a K range
 // ends, wait_group 0 lets acc be read and folded as before. What that costs: wgmma reads
@@ -61,7 +65,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, const uint32_t* a, ui
 extern "C" __global__ void __launch_bounds__(256, 1)
 KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
                    const __nv_bfloat16* res, __nv_bfloat16* y, int M, int K, int N) {
-  constexpr int BM = 128, TILES = 16, XROW = 136, STAGES = 2;
+  constexpr int BM = 128, TILES = 16, STAGES = 4;
   const int chunks = K / 128;
   const int per_range = chunks / KSPLIT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -71,19 +75,18 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
   const int tile0 = (blockIdx.x / row_blocks) * TILES;
 
   extern __shared__ uint4 smem[];
-  constexpr int XS = BM * XROW / 8, WS = TILES * 36, DS = 2048;  // in uint4
-  auto xstage = [&](int s) { return reinterpret_cast<__nv_bfloat16*>(smem + s * (XS + WS)); };
-  auto wstage = [&](int s) { return smem + s * (XS + WS) + XS; };
+  constexpr int WS = TILES * 36, DS = 2048;  // in uint4
+  auto wstage = [&](int s) { return smem + s * WS; };
   // chunk ch's codes as bf16 in wgmma's B layout, two buffers (32 KB each, 128-byte aligned)
-  auto dstage = [&](int ch) { return smem + STAGES * (XS + WS) + (ch & 1) * DS; };
-  float* totals = reinterpret_cast<float*>(smem + STAGES * (XS + WS) + 2 * DS);
+  auto dstage = [&](int ch) { return smem + STAGES * WS + (ch & 1) * DS; };
+  float* totals = reinterpret_cast<float*>(smem + STAGES * WS + 2 * DS);
 
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
   const uint4* wv = reinterpret_cast<const uint4*>(wp);
   const uint4* sv = reinterpret_cast<const uint4*>(sp);
   auto issue = [&](int ch) {
     if (ch < chunks) {
-@STAGE@
+      const int s = ch % STAGES;
+@STAGE_W@
     }
     cp_async_commit();
   };
@@ -95,25 +98,47 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
     if (ch < chunks) {
       const uint4* wd = wstage(ch % STAGES);
       uint32_t* dd = reinterpret_cast<uint32_t*>(dstage(ch));
-      for (int e = threadIdx.x; e < WS; e += 256) {
-        const int tl = e / 36, q = e % 36;
-        if (q < 32) {
-          const uint4 w = wd[e];
+      // the 512 uint4 of codes, two a thread (the scales' 64 are read, not dequantized)
 #pragma unroll
-          for (int par = 0; par < 2; ++par) {
-            uint32_t b[8];
-            dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, col_scale(wd + tl * 36 + 32, q >> 2, par),
-                            b);
+      for (int e = threadIdx.x; e < TILES * 32; e += 256) {
+        const int tl = e >> 5, q = e & 31;
+        const uint4 w = wd[tl * 36 + q];
 #pragma unroll
-            for (int s = 0; s < 4; ++s)
+        for (int par = 0; par < 2; ++par) {
+          uint32_t b[8];
+          dequant8<false>(par ? w.z : w.x, par ? w.w : w.y, col_scale(wd + tl * 36 + 32, q >> 2, par),
+                          b);
 #pragma unroll
-              for (int h = 0; h < 2; ++h)
-                dd[(4 * par + s) * 1024 + tl * 64 + h * 32 + q] = b[2 * s + h];
-          }
+          for (int s = 0; s < 4; ++s)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              dd[(4 * par + s) * 1024 + tl * 64 + h * 32 + q] = b[2 * s + h];
         }
       }
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  };
+  // this warp's rows g and g + 8 of x (rows past M read row M - 1: their products are
+  // never written), k from 0
+  const int r0 = min(m0 + warp * 16 + g, M - 1), r1 = min(m0 + warp * 16 + g + 8, M - 1);
+  const __nv_bfloat16* x0 = x + (size_t)r0 * K + 16 * t;
+  const __nv_bfloat16* x1 = x + (size_t)r1 * K + 16 * t;
+  // chunk ch's A fragments into xs, straight from global memory (L2): loaded a chunk before
+  // the multiply that reads them, so their latency hides behind the dequant
+  auto load_x = [&](int ch, uint32_t (&xs)[2][4][4]) {
+    if (ch < chunks) {
+#pragma unroll
+      for (int par = 0; par < 2; ++par) {
+        // rows g and g + 8, k = 64 par + 16t .. + 15 of the chunk (as fetch_x)
+        const uint4* p0 = reinterpret_cast<const uint4*>(x0 + ch * 128 + par * 64);
+        const uint4* p1 = reinterpret_cast<const uint4*>(x1 + ch * 128 + par * 64);
+@XA@
+#pragma unroll
+        for (int st = 0; st < 4; ++st)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) xs[par][st][i] = xa[st][i];
+      }
+    }
   };
   auto total = [&](int j, int c) -> float& { return totals[(j * 4 + c) * 256 + threadIdx.x]; };
   float acc[TILES][4];
@@ -133,28 +158,15 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"((&acc[0][0])[i]) :: "memory");
   };
-  // chunk ch, its A fragments loaded into xg while chunk ch - 1's multiply, which read xp,
-  // may still run (xg and xp: two named register sets, swapped by the caller a chunk apart,
-  // never indexed at run time, which would put them in local memory)
+  // chunk ch, its A fragments in xg (loaded during chunk ch - 1's step) while chunk ch - 1's
+  // multiply, which read xp, may still run (xg and xp: two named register sets, swapped by
+  // the caller a chunk apart, never indexed at run time, which would put them in local
+  // memory)
   auto step = [&](int ch, uint32_t (&xg)[2][4][4], uint32_t (&xp)[2][4][4]) {
-    // chunk ch is dequantized and its x has landed (every thread's work); stage
-    // (ch + 1) % STAGES is done with: its x went to registers in chunk ch - 1's step, its
-    // codes were dequantized in chunk ch - 2's
+    // chunk ch is dequantized (every thread's work); stage (ch + STAGES - 1) % STAGES, chunk
+    // ch - 1's, is done with: its codes were dequantized in chunk ch - 2's step
     __syncthreads();
-    issue(ch + 1);
-    const __nv_bfloat16* xt = xstage(ch % STAGES) + (warp * 16) * XROW;
-    // xg held chunk ch - 2's fragments, retired by chunk ch - 1's wait_group 1
-#pragma unroll
-    for (int par = 0; par < 2; ++par) {
-      // this warp's 16 rows of the group, k = 64 par + 16t .. + 15 (as fetch_x)
-      const uint4* p0 = reinterpret_cast<const uint4*>(xt + g * XROW + par * 64 + 16 * t);
-      const uint4* p1 = reinterpret_cast<const uint4*>(xt + (g + 8) * XROW + par * 64 + 16 * t);
-@XA@
-#pragma unroll
-      for (int st = 0; st < 4; ++st)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) xg[par][st][i] = xa[st][i];
-    }
+    issue(ch + STAGES - 1);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
     // the chunk's 8 k16 steps chained into acc, group after group (group_mma's order),
     // queued behind chunk ch - 1's if it still runs (same accumulators: in issue order)
@@ -171,8 +183,9 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     keep_x(xp);
     keep_acc();
+    load_x(ch + 1, xp);
     // the next chunk dequantized under the multiply, into the buffer chunk ch - 1 read
-    cp_async_wait<0>();
+    cp_async_wait<STAGES - 2>();
     __syncthreads();  // chunk ch + 1's codes and scales have landed, every thread's
     dequant(ch + 1);
     if ((ch + 1) % per_range == 0) {
@@ -191,14 +204,16 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
     }
   };
 
-  issue(0);
-  cp_async_wait<0>();
-  __syncthreads();
-  dequant(0);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
   // chunk ch's A fragments: xA for even ch, xB for odd (zeros: the first wait's xp)
   uint32_t xA[2][4][4], xB[2][4][4];
 #pragma unroll
   for (int i = 0; i < 32; ++i) (&xA[0][0][0])[i] = (&xB[0][0][0])[i] = 0u;
+  load_x(0, xA);
+  cp_async_wait<STAGES - 2>();
+  __syncthreads();
+  dequant(0);
 #pragma unroll 1
   for (int ch = 0; ch + 1 < chunks; ch += 2) {
     step(ch, xA, xB);
@@ -209,15 +224,19 @@ KERNEL_NAME(const __nv_bfloat16* x, const uint32_t* wp, const uint32_t* sp,
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   keep_acc();
 
+  // each element rounded to bf16 (then + res, rounded again), two neighbours a store
 #pragma unroll
   for (int j = 0; j < TILES; ++j)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < 4; c += 2) {
       const int row = m0 + warp * 16 + g + (c >= 2 ? 8 : 0);
-      const int col = (tile0 + j) * 8 + 2 * t + (c & 1);
       if (row >= M) continue;
-      const size_t at = (size_t)row * N + col;
-      const __nv_bfloat16 v = __float2bfloat16(total(j, c));
-      y[at] = RESID ? __float2bfloat16(__bfloat162float(v) + __bfloat162float(res[at])) : v;
+      const size_t at = (size_t)row * N + (tile0 + j) * 8 + 2 * t;
+      __nv_bfloat162 v = __floats2bfloat162_rn(total(j, c), total(j, c + 1));
+      if (RESID) {
+        const __nv_bfloat162 r = *reinterpret_cast<const __nv_bfloat162*>(res + at);
+        v = __floats2bfloat162_rn(__low2float(v) + __low2float(r), __high2float(v) + __high2float(r));
+      }
+      *reinterpret_cast<__nv_bfloat162*>(y + at) = v;
     }
 }

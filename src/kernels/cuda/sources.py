@@ -46,17 +46,18 @@ _ROPE: dict[str, Any] = {"query": "rope_attention_query.cu",
          "patch": ("rope_attention_patch_k.cu", "rope_attention_patch_v.cu")}
 
 # q4_gemm.cu's and q4_wgmma.cu's headers and shared fragments (the staging, x's fragments)
-_Q4_GEMM: dict[str, Any] = {
-    "headers": ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh"),
-    "fragments": (("@STAGE@", "q4_gemm_stage.cu"), ("@XA@", "q4_gemm_xa.cu"))}
+_Q4_HEADERS = ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh")
+_STAGE_W, _XA = ("@STAGE_W@", "q4_gemm_stage_w.cu"), ("@XA@", "q4_gemm_xa.cu")
 
 KERNELS: dict[str, KernelSource] = {
     "q4_matmul": KernelSource(("x", "wp", "sp", "res", "nw"), ("y",), "q4_matmul.cu",
                               ("cp_async.cuh", "mma.cuh", "norm_row.cuh",
                                "q4_matmul.cuh")),
-    "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu", **_Q4_GEMM),
+    "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu", _Q4_HEADERS,
+                            fragments=(("@STAGE_X@", "q4_gemm_stage_x.cu"), _STAGE_W, _XA)),
     # not a cuda_kernel body but a whole kernel for sm_90a (q4_wgmma() below)
-    "q4_wgmma": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_wgmma.cu", **_Q4_GEMM),
+    "q4_wgmma": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_wgmma.cu", _Q4_HEADERS,
+                             fragments=(_STAGE_W, _XA)),
     "rms_rows": KernelSource(("x", "w"), ("y",), "rms_rows.cu", ("norm_row.cuh",)),
     "paged_attention": KernelSource(("q", *_ATTENTION_INPUTS), ("out", "scratch"),
                                     "paged_attention.cu", (*_ATTENTION_HEADERS, "split_fold.cuh"),
