@@ -58,10 +58,10 @@ def test_two_row_tile_q4_matmul_keeps_two_blocks_an_sm(tmp_path: Path) -> None:
 def test_the_widest_kernels_do_not_spill(tmp_path: Path) -> None:
     """q4_gemm's loop holds 248 registers by design (its shapes are read opaquely so nvcc
     keeps them; 162 under the bf16(s*q+b) rule), q4_wgmma's 196 (64 of them wgmma's
-    accumulators, 64 two chunks' x fragments), and the prefill
-    attention launch 227, 235 where it folds splits (MERGE): none may spill to local memory,
-    and the attention launches keep two blocks an SM (launch.MERGE_BLOCKS counts on it: 240
-    registers a thread at most)."""
+    accumulators, 64 two chunks' x fragments), and the prefill attention launch 227, 235
+    where it folds splits (MERGE): none may spill to local memory, and the attention
+    launches keep two blocks an SM (launch.MERGE_BLOCKS counts on it: 240 registers a
+    thread at most)."""
     tile = launch.ATTENTION_TILE
     widest = ("q4_gemm resid=False", "q4_wgmma resid=True", f"paged_attention tile {tile}",
               f"paged_attention tile {tile} merge")
