@@ -56,7 +56,16 @@
   auto issue = [&](int ch) {  // chunk ch's x and weight tiles into stage ch % STAGES
     if (ch < chunks) {
       const int s = ch % STAGES;
-@STAGE_X@
+      __nv_bfloat16* xd = xstage(s);
+      for (int e = threadIdx.x; e < BM * 16; e += 256) {  // 16 uint4 per row
+        const int r = e >> 4, q = e & 15;
+        uint4* dst = reinterpret_cast<uint4*>(xd + r * XROW) + q;
+        if (m0 + r < M) {
+          cp_async16(dst, xv + ((size_t)(m0 + r) * K + ch * 128) / 8 + q);
+        } else {
+          *dst = make_uint4(0, 0, 0, 0);  // rows past M multiply as zeros
+        }
+      }
 @STAGE_W@
     }
     cp_async_commit();

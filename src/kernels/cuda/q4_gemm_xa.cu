@@ -1,7 +1,7 @@
 // q4_gemm.cu's and q4_wgmma.cu's A fragments (substituted at their @XA@ line): from p0,
 // p1 (a thread's rows g and g + 8 of a 16-row tile, k = 64 par + 16t .. + 15, as fetch_x),
 // xa[st] = the mma A fragment of the group's k16 step st. A text fragment, not a function,
-// as q4_gemm_stage_x.cu.
+// as q4_gemm_stage_w.cu.
 
       const uint4 r00 = p0[0], r01 = p0[1], r10 = p1[0], r11 = p1[1];
       const uint32_t A0[8] = {r00.x, r00.y, r00.z, r00.w, r01.x, r01.y, r01.z, r01.w};

@@ -45,7 +45,7 @@ _SPLIT = (("@BLOCK@", "attention_split_block.cu"), ("@PAD@", "attention_split_pa
 _ROPE: dict[str, Any] = {"query": "rope_attention_query.cu",
          "patch": ("rope_attention_patch_k.cu", "rope_attention_patch_v.cu")}
 
-# q4_gemm.cu's and q4_wgmma.cu's headers and shared fragments (the staging, x's fragments)
+# q4_gemm.cu's and q4_wgmma.cu's headers and shared fragments (the weights' staging, x's fragments)
 _Q4_HEADERS = ("cp_async.cuh", "mma.cuh", "q4_matmul.cuh")
 _STAGE_W, _XA = ("@STAGE_W@", "q4_gemm_stage_w.cu"), ("@XA@", "q4_gemm_xa.cu")
 
@@ -54,7 +54,7 @@ KERNELS: dict[str, KernelSource] = {
                               ("cp_async.cuh", "mma.cuh", "norm_row.cuh",
                                "q4_matmul.cuh")),
     "q4_gemm": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_gemm.cu", _Q4_HEADERS,
-                            fragments=(("@STAGE_X@", "q4_gemm_stage_x.cu"), _STAGE_W, _XA)),
+                            fragments=(_STAGE_W, _XA)),
     # not a cuda_kernel body but a whole kernel for sm_90a (q4_wgmma() below)
     "q4_wgmma": KernelSource(("x", "wp", "sp", "res"), ("y",), "q4_wgmma.cu", _Q4_HEADERS,
                              fragments=(_STAGE_W, _XA)),
