@@ -48,7 +48,8 @@ using Shape = cuda::std::array<int32_t, 10>;
 BF16, F32, I32, U32 = "__nv_bfloat16", "float", "int32_t", "uint32_t"
 DTYPES = {"wp": U32, "sp": U32, "tables": I32, "row_table": I32, "row_pos": I32,
           "tiles": I32, "write_rows": I32, "params": F32, "sinks": F32, "part": F32,
-          "partials": F32, "scratch": F32}
+          "partials": F32, "scratch": F32, "z": F32, "row_max": F32, "knobs": F32,
+          "iknobs": I32, "draws": "uint64_t", "tokens": I32}
 
 
 def kernel_source(name: str, template: list[tuple[str, Any]]) -> str:
@@ -158,6 +159,7 @@ def cases() -> list[tuple[str, str, list[tuple[str, Any]]]]:
     out.append(("attention_combine", "attention_combine",
                 [("G", 4), ("D", 128), *launch.split_template(),
                  ("SINKS", False)]))
+    out.append(("sample_draw", "sample_draw", []))
     return out
 
 

@@ -72,3 +72,12 @@ def test_the_widest_kernels_do_not_spill(tmp_path: Path) -> None:
         assert used <= 255 and spilled == 0, (name, used, spilled)
         if name == "paged_attention":
             assert used <= 240, (label, used)
+
+
+def test_sample_draw_fits_a_block_of_1024_threads(tmp_path: Path) -> None:
+    """sample_draw runs one block of launch.SAMPLE_THREADS (1,024) threads a row: above 64
+    registers a thread the block needs more than an SM's 64k and the launch fails outright,
+    on every sampled step."""
+    assert launch.SAMPLE_THREADS == 1024
+    ((used, spilled),) = _counts([("sample_draw", [])], tmp_path)
+    assert used <= 64 and spilled == 0, (used, spilled)

@@ -39,10 +39,11 @@ and sequential running sums are the prefix's; tests/test_device_sampling.py chec
   (top_k / top_p) get one full sort of their vocabulary: its width never depends on the
   batch, so neither do the device's scan and reduction shapes (MLX's CUDA scan picks its
   block size from the row length), and a nucleus of any width costs the same. On
-  slotserve's CUDA kernels the truncation and the draw are one launch after that sort
-  (kernels.cuda.sample_draw): the same rules, with masses summed as 40-bit fixed-point
-  integers (exact, so a token can differ from these float sums only where their rounding
-  decides it) and the uniform hashed in the launch.
+  slotserve's CUDA kernels the truncation and the draw are one launch instead, with no
+  sort (kernels.cuda.sample_draw: a radix select finds the cut ranks): the same rules,
+  with masses summed as 40-bit fixed-point integers (exact, so a token can differ from
+  these float sums only where their rounding decides it) and the uniform hashed in the
+  launch.
 - ``on_device=False`` (the CPU's unpipelined steps): a top-k prefix (a linear partition
   on the CPU) with host checks, and numpy's sort for wide nuclei: MLX's CPU sort is several
   times slower than numpy's, and an unpipelined step has nothing to overlap a sync with.

@@ -82,7 +82,7 @@ KERNELS: dict[str, KernelSource] = {
     "rope_write": KernelSource(("qkv", "cos_t", "sin_t", "positions", "write_rows", "kpool",
                                 "vpool"), ("q",), "rope_write.cu"),
     "swiglu": KernelSource(("gate_up",), ("out",), "swiglu.cu"),
-    "sample_draw": KernelSource(("z", "row_max", "sorted", "knobs", "iknobs", "draws"),
+    "sample_draw": KernelSource(("z", "row_max", "knobs", "iknobs", "draws"),
                                 ("tokens",), "sample_draw.cu", ("sample_draw.cuh",)),
 }
 
