@@ -6,8 +6,9 @@ scan that MLX gives one block per row: at one row that is ~1 ms a step on the H2
 (bench/gpu_bench.py --micro-parts sampler), a third of a decode step. Here a block per row
 makes a few passes over it, and its masses are integers (exact in any order), so a row's
 token never depends on its batch. The ranks top_k and top_p cut at are found by a radix
-select in the same block, not by a sort of the row (MLX's sort of a 128,256-wide row was
-most of a sampled step's extra time: 0.4-0.8 ms at one row, ~2.4 ms at 128 rows, H100).
+select in the same block, not by a sort of the row (MLX's sort of 128,256-wide rows took
+45-52 us a step at one row and ~430 us at 64, on an H100: bench/gpu_bench.py --micro
+--micro-parts sampler).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@
 // The ranks are found without sorting: rank_select (sample_draw.cuh) finds the z where the
 // ranks' running count reaches k, or their running mass reaches p, by a radix select over
 // z's bits; e is monotone in z, so the r-th largest e is e of the r-th largest z, and ties
-// are resolved by id over the row itself. (A sort of each ranked row, MLX's, took ~0.4-0.8
-// ms a step at one row of the 8B's 128,256 and ~2.4 ms at 128 rows, H100.)
+// are resolved by id over the row itself. (A sort of each ranked row, MLX's, took 45-52 us
+// a step at one row of the 8B's 128,256 and ~430 us at 64 rows, H100.)
 //
 // Each thread owns a contiguous range of C = ceil(V / 1024) ids; a block-wide scan of the
 // threads' sums finds the one thread whose range holds a crossing, which then walks its
