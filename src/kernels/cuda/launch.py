@@ -167,7 +167,8 @@ def q4_gemm(m: int, n: int) -> bool:
     return m >= GEMM_ROWS and n % 128 == 0 and -(-m // 128) * (n // 128) >= GEMM_BLOCKS
 
 
-_GEMM_STAGE_BYTES = 128 * 136 * 2 + 16 * 36 * 16  # a 128-row x tile and 16 tiles' weights
+_GEMM_W_BYTES = 16 * 36 * 16  # a chunk of 16 column tiles' codes and scales (36 uint4 a tile)
+_GEMM_STAGE_BYTES = 128 * 136 * 2 + _GEMM_W_BYTES  # a 128-row x tile and the weights
 _GEMM_SUMS_BYTES = 64 * 256 * 4  # the K ranges' running sums, 64 floats a thread
 
 
@@ -182,7 +183,7 @@ def q4_wgmma_shared_bytes() -> int:
     """Dynamic shared memory of a q4_wgmma launch: a ring of 4 chunks of 16 column tiles'
     weights and scales (x goes to registers, not shared memory), two chunks' codes
     dequantized into wgmma's B layout (bf16, 32 KB each), then the running sums."""
-    return 4 * 16 * 36 * 16 + 2 * 16 * 128 * 16 + _GEMM_SUMS_BYTES
+    return 4 * _GEMM_W_BYTES + 2 * 16 * 128 * 16 + _GEMM_SUMS_BYTES
 
 
 def rms_threads(k: int) -> int:
