@@ -19,11 +19,12 @@
 #          new; $AB_CONTEXTS, default 128,1024,16384: one prompt each, its prefill and
 #          its decode at that context; $AB_NEW_TOKENS, $AB_PREFILL_BUDGET) (not in the
 #          default list)
-#   kernel_ab  the prefill kernels alone, several trees in turn ($KERNEL_AB_TREES, name=src
-#          pairs; default base=$AB_BASE new=src): q4_matmul at $KERNEL_AB_ROWS (default
-#          1024,512) rows on the 8B projections, timed, with a bits check against
-#          q4_matmul's own launch, and one layer's prefill attention at $PREFILL_CTX
-#          (not in the default list; no checkpoint)
+#   kernel_ab  the prefill kernels and the decode attention alone, several trees in turn
+#          ($KERNEL_AB_TREES, name=src pairs; default base=$AB_BASE new=src): q4_matmul at
+#          $KERNEL_AB_ROWS (default 1024,512) rows on the 8B projections, timed, with a
+#          bits check against q4_matmul's own launch, one layer's prefill attention at
+#          $PREFILL_CTX and one decode row's at $DECODE_CTX (default 1024,16384,32768;
+#          its K/V read from HBM) (not in the default list; no checkpoint)
 #   wgmma_probe  bench/wgmma_probe.py: whether Hopper's warpgroup multiply gives the warp
 #          multiply's bits step by step, and whether an sm_90a kernel runs under MLX (not in
 #          the default list; no checkpoint)
@@ -308,11 +309,12 @@ fi
 if want kernel_ab; then
   # the prefill kernels alone, several trees in turn (no checkpoint): q4_matmul at
   # $KERNEL_AB_ROWS rows on the 8B projections (with a bits check against q4_matmul's own
-  # launch) and one layer's prefill attention at $PREFILL_CTX. $KERNEL_AB_TREES: name=src
+  # launch), one layer's prefill attention at $PREFILL_CTX and one decode row's at
+  # $DECODE_CTX (K/V from HBM). $KERNEL_AB_TREES: name=src
   # pairs (default: base=$AB_BASE new=src), each run in the order given, $KERNEL_AB_ROUNDS
   # times (default 2)
   trees=${KERNEL_AB_TREES:-${AB_BASE:+base=$AB_BASE} new=src}
-  stage "kernel_ab: q4 prefill launches and prefill attention of $trees"
+  stage "kernel_ab: q4 prefill launches, prefill and decode attention of $trees"
   for round in $(seq "${KERNEL_AB_ROUNDS:-2}"); do
     for spec in $trees; do
       name=${spec%%=*} tree=${spec#*=}
@@ -323,6 +325,8 @@ if want kernel_ab; then
         --gemm-timing --rows "${KERNEL_AB_ROWS:-1024,512}" 2>&1 | grep '^{'
       PYTHONPATH=$pkg:$PYTHONPATH timeout 200 $PY bench/gpu_profile.py \
         --prefill-attention "${PREFILL_CTX:-4096,16384}" 2>&1 | grep '^{'
+      PYTHONPATH=$pkg:$PYTHONPATH timeout 200 $PY bench/gpu_profile.py \
+        --decode-attention "${DECODE_CTX:-1024,16384,32768}" 2>&1 | grep '^{'
     done
   done
 fi

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import itertools
 import json
 import re
 import sys
@@ -156,6 +157,40 @@ def prefill_attention(ctx: int, chunk: int = 1024, heads: int = 32, kv_heads: in
         mx.eval(run())
 
 
+def decode_attention(ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                     pool_bytes: int = 256 << 20) -> None:
+    """One layer's attention for one decode row at position ctx - 1 (Llama-3-8B's heads), in
+    the launch a decode step gives it (a tile a row; a block per split and kv head, then the
+    combine, where its keys pass one split): timed, with the K/V bytes it reads a second.
+    The calls take several slots' K/V in turn, `pool_bytes` in all at least, so each reads
+    its keys from HBM as a step's layers do, not from the L2 a repeated call would leave
+    them in; and the launch once more behind a marker, for ncu."""
+    import mlx.core as mx
+    from gpu_bench import GB, _timed, long_attention_inputs
+
+    from slotserve.kernels import cuda
+    from slotserve.kernels.cuda import launch
+
+    mx.set_default_device(mx.gpu)
+    kv_bytes = 2 * ctx * kv_heads * head_dim * 2
+    copies = [long_attention_inputs(ctx, 1, kv_heads, head_dim, heads // kv_heads)
+              for _ in range(max(1, -(-pool_bytes // kv_bytes)))]
+    turn = itertools.count()
+
+    def run() -> mx.array:
+        a = copies[next(turn) % len(copies)]
+        return cuda.paged_attention(a["q"], a["kpool"], a["vpool"], a["tables"],
+                                    a["row_table"], a["row_pos"], head_dim**-0.5)
+
+    s = _timed(run)
+    print(json.dumps({"ctx": ctx, "splits": launch.attention_splits(ctx // 128),
+                      "split_blocks": launch.SPLIT_BLOCKS, "copies": len(copies),
+                      "us": round(s * 1e6, 2), "kv_gbps": round(kv_bytes / s / GB, 1)}))
+    with _profiled():
+        _marker(f"decode{ctx}")
+        mx.eval(run())
+
+
 def gemm_timing(rows: list[int]) -> None:
     """q4_matmul at prefill row counts (q4_gemm where launch.q4_gemm says so) on Llama-3-8B's
     projections: ms a launch (gpu_bench._timed, caches warm) and TFLOPS; at each shape's
@@ -241,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-attention", type=str, metavar="CTX[,CTX]",
                    help="no model: one layer's attention for the last 1,024 rows of a "
                         "CTX-token prompt, timed and profiled")
+    p.add_argument("--decode-attention", type=str, metavar="CTX[,CTX]",
+                   help="no model: one layer's attention for one decode row at a CTX-token "
+                        "context, timed (K/V read from HBM), and profiled")
     p.add_argument("--gemm-timing", action="store_true",
                    help="no model: q4_matmul at --rows on Llama-3-8B's projections, timed, "
                         "and its bits against q4_matmul's own launch")
@@ -261,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_attention:
         for ctx in args.prefill_attention.split(","):
             prefill_attention(int(ctx))
+        return 0
+    if args.decode_attention:
+        for ctx in args.decode_attention.split(","):
+            decode_attention(int(ctx))
         return 0
     if args.launches:
         import mlx.core as mx
