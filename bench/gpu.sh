@@ -307,12 +307,11 @@ if want ab; then
 fi
 
 if want kernel_ab; then
-  # the prefill kernels alone, several trees in turn (no checkpoint): q4_matmul at
-  # $KERNEL_AB_ROWS rows on the 8B projections (with a bits check against q4_matmul's own
-  # launch), one layer's prefill attention at $PREFILL_CTX and one decode row's at
-  # $DECODE_CTX (K/V from HBM). $KERNEL_AB_TREES: name=src
-  # pairs (default: base=$AB_BASE new=src), each run in the order given, $KERNEL_AB_ROUNDS
-  # times (default 2)
+  # the kernels alone, several trees in turn (no checkpoint): q4_matmul at $KERNEL_AB_ROWS
+  # rows on the 8B projections (with a bits check against q4_matmul's own launch), one
+  # layer's prefill attention at $PREFILL_CTX and one decode row's at $DECODE_CTX (K/V
+  # from HBM). $KERNEL_AB_TREES: name=src pairs (default: base=$AB_BASE new=src), each run
+  # in the order given, $KERNEL_AB_ROUNDS times (default 2)
   trees=${KERNEL_AB_TREES:-${AB_BASE:+base=$AB_BASE} new=src}
   stage "kernel_ab: q4 prefill launches, prefill and decode attention of $trees"
   for round in $(seq "${KERNEL_AB_ROUNDS:-2}"); do

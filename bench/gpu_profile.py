@@ -159,12 +159,13 @@ def prefill_attention(ctx: int, chunk: int = 1024, heads: int = 32, kv_heads: in
 
 def decode_attention(ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                      pool_bytes: int = 256 << 20) -> None:
-    """One layer's attention for one decode row at position ctx - 1 (Llama-3-8B's heads), in
-    the launch a decode step gives it (a tile a row; a block per split and kv head, then the
-    combine, where its keys pass one split): timed, with the K/V bytes it reads a second.
-    The calls take several slots' K/V in turn, `pool_bytes` in all at least, so each reads
-    its keys from HBM as a step's layers do, not from the L2 a repeated call would leave
-    them in; and the launch once more behind a marker, for ncu."""
+    """One layer's attention for one decode row at position ctx - 1 (Llama-3-8B's heads):
+    paged_attention with the row in a tile of its own (a block per split and kv head, then
+    the combine, where its keys pass one split), the walk a decode step's rope_attention
+    launch makes without its RoPE and K/V write. Timed, with the K/V bytes it reads a
+    second: the calls take several slots' K/V in turn, `pool_bytes` in all at least, so
+    each reads its keys from HBM as a step's layers do, not from the L2 a repeated call
+    would leave them in. Then the launch once more behind a marker, for ncu."""
     import mlx.core as mx
     from gpu_bench import GB, _timed, long_attention_inputs
 
