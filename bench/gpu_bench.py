@@ -459,6 +459,11 @@ def micro_attention(slots: tuple[int, ...] = (8, 64, 128), span: int = 256, kv_h
     return [_attention_case(n, span, kv_heads, head_dim, group) for n in slots]
 
 
+def kv_bytes(span: int, kv_heads: int = 8, head_dim: int = 128) -> int:
+    """The bf16 K and V bytes one layer's attention reads for a row at a span-token context."""
+    return 2 * span * kv_heads * head_dim * 2
+
+
 def long_attention_inputs(span: int, chunk: int = 1024, kv_heads: int = 8, head_dim: int = 128,
                           group: int = 4) -> dict[str, Any]:
     """One slot's random K/V of `span` tokens in the paged pool (Llama-3-8B heads by
@@ -520,7 +525,7 @@ def micro_long_attention(spans: tuple[int, ...] = (1024, 4096, 16384, 32768),
                     attended = rows * (span - rows) + rows * (rows + 1) // 2
                     r = {"span": span, "case": case, "rows": rows, "split_blocks": sb,
                          "us": round(t * 1e6, 1),
-                         "gbps": round(2 * span * kv_heads * head_dim * 2 / t / GB, 1),
+                         "gbps": round(kv_bytes(span, kv_heads, head_dim) / t / GB, 1),
                          "tflops": round(4 * kv_heads * group * head_dim * attended / t / 1e12,
                                          1)}
                     out.append(r)

@@ -167,26 +167,26 @@ def decode_attention(ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int
     each reads its keys from HBM as a step's layers do, not from the L2 a repeated call
     would leave them in. Then the launch once more behind a marker, for ncu."""
     import mlx.core as mx
-    from gpu_bench import GB, _timed, long_attention_inputs
+    from gpu_bench import GB, _timed, kv_bytes, long_attention_inputs
 
     from slotserve.kernels import cuda
     from slotserve.kernels.cuda import launch
 
     mx.set_default_device(mx.gpu)
-    kv_bytes = 2 * ctx * kv_heads * head_dim * 2
+    nbytes = kv_bytes(ctx, kv_heads, head_dim)
     copies = [long_attention_inputs(ctx, 1, kv_heads, head_dim, heads // kv_heads)
-              for _ in range(max(1, -(-pool_bytes // kv_bytes)))]
-    turn = itertools.count()
+              for _ in range(max(1, -(-pool_bytes // nbytes)))]
+    turn = itertools.cycle(copies)
 
     def run() -> mx.array:
-        a = copies[next(turn) % len(copies)]
+        a = next(turn)
         return cuda.paged_attention(a["q"], a["kpool"], a["vpool"], a["tables"],
                                     a["row_table"], a["row_pos"], head_dim**-0.5)
 
     s = _timed(run)
     print(json.dumps({"ctx": ctx, "splits": launch.attention_splits(ctx // 128),
                       "split_blocks": launch.SPLIT_BLOCKS, "copies": len(copies),
-                      "us": round(s * 1e6, 2), "kv_gbps": round(kv_bytes / s / GB, 1)}))
+                      "us": round(s * 1e6, 2), "kv_gbps": round(nbytes / s / GB, 1)}))
     with _profiled():
         _marker(f"decode{ctx}")
         mx.eval(run())
