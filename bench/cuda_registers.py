@@ -151,7 +151,7 @@ def cases() -> list[tuple[str, str, list[tuple[str, Any]]]]:
                               ("paged_attention_split", launch.ATTENTION_TILE, False),
                               ("paged_attention_split", 1, False), ("rope_attention", 1, False),
                               ("rope_attention_split", 1, False)):
-        smem = launch.attention_shared_bytes(128, launch.attention_narrow(4, tile))
+        smem = launch.attention_shared_bytes(128)
         out.append((f"{name} tile {tile}{' merge' if merge else ''}", name,
                     [("T", BF16), ("G", 4), ("D", 128), ("WINDOW", 0), ("TILE", tile),
                      *launch.split_template(), ("SINKS", False),

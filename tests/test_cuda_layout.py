@@ -167,15 +167,21 @@ def test_k_split_depends_on_k_alone() -> None:
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
-def test_a_decode_rows_block_is_narrow_and_stages_its_s(group: int) -> None:
-    """A decode row (a tile of one) fits one warp's 16 mma rows for GQA groups up to 16,
-    so its launch has room for the key block's S; a prefill tile of 16 rows does only
-    where the group is 1 (paged_attention.cu's NARROW)."""
+def test_a_decode_rows_block_is_narrow(group: int) -> None:
+    """A decode row (a tile of one) fits one warp's 16 mma rows for GQA groups up to 16; a
+    prefill tile of 16 rows does only where the group is 1 (paged_attention.cu's NARROW)."""
     assert launch.attention_narrow(group, 1)
     assert launch.attention_narrow(group, launch.ATTENTION_TILE) == (group == 1)
-    assert (launch.attention_shared_bytes(128, True)
-            == launch.attention_shared_bytes(128, False) + 16 * 132 * 4)
     assert not launch.attention_narrow(32, 1)  # 32 heads a row: two warps' mma rows
+
+
+def test_three_decode_blocks_fit_an_sm() -> None:
+    """A head-dim-128 attention block's shared memory (its K and V blocks, the 16 staged
+    query rows of a NARROW block beside them, and the 1 KB the SM reserves a block) lets
+    three blocks share an H100 / H200 SM's 228 KB: a 16k-context decode row's 288 split
+    blocks run in one wave on 132 SMs."""
+    staged_queries = 16 * (128 + 8) * 2
+    assert 3 * (launch.attention_shared_bytes(128) + staged_queries + 1024) <= 228 * 1024
 
 
 def test_device_inputs_are_the_step_arrays_views_of_one_buffer() -> None:

@@ -81,3 +81,17 @@ def test_sample_draw_fits_a_block_of_1024_threads(tmp_path: Path) -> None:
     assert launch.SAMPLE_THREADS == 1024
     ((used, spilled),) = _counts([("sample_draw", [])], tmp_path)
     assert used <= 64 and spilled == 0, (used, spilled)
+
+
+def test_decode_attention_keeps_three_blocks_an_sm(tmp_path: Path) -> None:
+    """A decode step's attention blocks (a tile of one row, NARROW) are 128 threads: at 168
+    registers or fewer three fit an SM's 64k, as their shared memory does
+    (test_cuda_layout), and a 16k-context row's 288 split blocks run in one wave on 132 SMs.
+    Each thread holding every O tile, its warp's and the other three's zeros, took them to
+    175."""
+    launches = [(label, name, t) for label, name, t in cuda_registers.cases()
+                if label.endswith("tile 1")]
+    assert {name for _, name, _ in launches} >= {"rope_attention_split", "rope_attention"}
+    found = _counts([(name, template) for _, name, template in launches], tmp_path)
+    for (label, _, _), (used, spilled) in zip(launches, found, strict=True):
+        assert used <= 168 and spilled == 0, (label, used, spilled)

@@ -89,7 +89,7 @@ def paged_attention(q: mx.array, kpool: mx.array, vpool: mx.array, tables: mx.ar
               row_pos, tiles, _attention_params(scale), sink_input]
     template = [("T", kpool.dtype), ("G", group), ("D", d), ("WINDOW", window or 0),
                 ("TILE", tile), *launch.split_template(), ("SINKS", has_sinks)]
-    shared = launch.attention_shared_bytes(d, launch.attention_narrow(group, tile))
+    shared = launch.attention_shared_bytes(d)
     if splits == 1 or merge or not launch.split_partials_fit(r, hkv, splits, group, d):
         folds = splits > 1
         # a folding block's P.V sums: D / 2 floats a thread (attention_fold_scratch.cu)
@@ -155,7 +155,7 @@ def rope_attention(qkv: mx.array, cos: mx.array, sin: mx.array, write_rows: mx.a
     assert group <= MAX_GROUP, "query heads a kv head"
     tiles, tile = _tiles(None, r)  # a decode step's rows: a tile each
     sink_input, has_sinks = _sinks(sinks)
-    shared = launch.attention_shared_bytes(head_dim, launch.attention_narrow(group, tile))
+    shared = launch.attention_shared_bytes(head_dim)
     blocks = r * _blocks_a_tile(group, tile) * kv_heads
     inputs = [qkv, kpool, vpool, tables, row_table, row_pos, tiles, _attention_params(scale),
               sink_input, cos, sin, write_rows]

@@ -15,12 +15,12 @@
     SplitFold f[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) f[e] = split_fold(m_fold[e], m_run[e]);
-    float prev[D / 8][4];
+    float prev[OT][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
+    for (int n = 0; n < OT; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const bool read = !f[c >> 1].skip && !f[c >> 1].take && !(NARROW && (n >> 1) % 4 != warp);
+        const bool read = !f[c >> 1].skip && !f[c >> 1].take && !(NARROW && 8 * o_cols(n) >= D);
         prev[n][c] = read ? fold_acc[(4 * n + c) * 128] : 0.0f;
       }
 #pragma unroll
@@ -31,11 +31,11 @@
       l_run[e] = 0.0f;
     }
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
+    for (int n = 0; n < OT; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const SplitFold& fe = f[c >> 1];
-        if (!fe.skip && !(NARROW && (n >> 1) % 4 != warp))
+        if (!fe.skip && !(NARROW && 8 * o_cols(n) >= D))
           fold_acc[(4 * n + c) * 128] = fe.take ? o[n][c] : split_fold_sum(fe, prev[n][c], o[n][c]);
         o[n][c] = 0.0f;
       }

@@ -9,10 +9,11 @@
       float* dst = partials + (((size_t)m_row[e] * HKV + h) * S + split) * G * (D + 2)
           + (size_t)m_head[e] * (D + 2);
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        if (NARROW && (n >> 1) % 4 != warp) continue;  // another warp's columns
-        dst[8 * n + 2 * t4] = o[n][2 * e];
-        dst[8 * n + 2 * t4 + 1] = o[n][2 * e + 1];
+      for (int n = 0; n < OT; ++n) {
+        const int col = 8 * o_cols(n) + 2 * t4;
+        if (NARROW && col >= D) continue;  // a tile past D
+        dst[col] = o[n][2 * e];
+        dst[col + 1] = o[n][2 * e + 1];
       }
       if (t4 == 0 && mwarp == warp) {  // NARROW: warp 0 (every warp has the same sums)
         dst[D] = m_run[e];

@@ -14,9 +14,9 @@
       __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(out)
           + ((size_t)m_row[e] * HQ + h * G + m_head[e]) * D + 2 * t4;
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        if (NARROW && (n >> 1) % 4 != warp) continue;  // another warp's columns
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) = __floats2bfloat162_rn(
+      for (int n = 0; n < OT; ++n) {
+        if (NARROW && 8 * o_cols(n) >= D) continue;  // a tile past D
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * o_cols(n)) = __floats2bfloat162_rn(
             attention_out_value(value(n, 2 * e), SINKS, f, sum),
             attention_out_value(value(n, 2 * e + 1), SINKS, f, sum));
       }

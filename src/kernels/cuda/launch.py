@@ -199,11 +199,10 @@ def attention_narrow(group: int, tile: int) -> bool:
     return min(64 // group, tile) * group <= 16
 
 
-def attention_shared_bytes(head_dim: int, narrow: bool) -> int:
+def attention_shared_bytes(head_dim: int) -> int:
     """Dynamic shared memory of an attention launch: a key block's padded K rows, then its
-    padded V rows; narrow (attention_narrow), then the key block's S, 16 rows of 132
-    floats."""
-    return 2 * 128 * (head_dim // 8 + 1) * 16 + (16 * 132 * 4 if narrow else 0)
+    padded V rows (a NARROW block keeps its S in the K rows, rule above)."""
+    return 2 * 128 * (head_dim // 8 + 1) * 16
 
 
 def _head_split_blocks() -> int:

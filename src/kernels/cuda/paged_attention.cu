@@ -79,6 +79,12 @@
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;  // the mma fragment's row and column pair
   const int mwarp = NARROW ? 0 : warp;  // the warp whose 16 mma rows this thread holds
+  // the O tiles (8 columns each) a thread holds: all D / 8, or NARROW only its warp's own
+  // column pairs (w, w + 4, ..), so a decode block's registers (and blocks an SM) are not
+  // spent on other warps' zeros. Tile n is the output's columns 8 o_cols(n) ..; NARROW, a
+  // tile past D (the last pair of a warp, where D / 16 is no multiple of 4) stays zero
+  constexpr int OT = NARROW ? 2 * ((D / 16 + 3) / 4) : D / 8;
+  auto o_cols = [&](int n) { return NARROW ? 2 * (warp + 4 * (n >> 1)) + (n & 1) : n; };
   // the first row's position is read beside its table (not after the padding test), so the
   // block's key range waits on one load, not two in a row
   const int pos_first = row_pos[first];
@@ -114,12 +120,17 @@
   constexpr int QW = D + 8;  // bf16 a staged query row (padded: no bank conflicts)
   __shared__ __align__(16) __nv_bfloat16 qs[QROWS][QW];
   constexpr int KW = D / 8 + 1;  // 16-byte words a staged K or V row (padded)
-  // [128][KW] K rows, then [128][KW] V rows; NARROW: then a key block's S [16][SW] floats
+  // [128][KW] K rows, then [128][KW] V rows
   extern __shared__ uint4 staged[];
   uint4* const ks = staged;
   uint4* const vs = staged + 128 * KW;
-  constexpr int SW = 132;  // floats a row of S (padded)
-  float* const ss = reinterpret_cast<float*>(staged + 256 * KW);
+  // NARROW: a key block's S, kept in the staged K block itself (so a block's shared memory
+  // is its K and V, and three blocks fit an SM): warp w's keys 32w .. 32w + 31, S [16][SW]
+  // floats, over its own K rows 32w .., which only it reads
+  constexpr int SW = 36;  // floats a row of a warp's S (padded: 4 banks a row, as 132 was)
+  auto ss_at = [&](int row, int key) {
+    return reinterpret_cast<float*>(ks + (key >> 5) * 32 * KW) + row * SW + (key & 31);
+  };
   // key block jb (pool block `page`) K or V rows up to pos_max copied in (all in flight at
   // once, cp.async), one commit group; V rows past them zeroed (p is 0 there, and 0 * NaN
   // would not be)
@@ -143,9 +154,9 @@
 @Q@
   __syncthreads();
   float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};
-  float o[D / 8][4];
+  float o[OT][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  for (int n = 0; n < OT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 @FOLD@
   // ldmatrix addresses: this lane's row of the warp's query fragment (matrices: rows 0-7
   // and 8-15 of dimensions 0-7, then of 8-15) and of a key-tile pair's K (keys 0-7 of
@@ -180,19 +191,24 @@
           mma_bf16(s[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
         }
       }
-      if (NARROW)
+      if (NARROW) {
+        __syncwarp();  // the warp's ldmatrix reads of its K rows are done: S goes over them
 #pragma unroll
         for (int j = 0; j < 16; ++j)
           if (j / 4 == warp)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) ss[(g + 8 * (c >> 1)) * SW + 8 * j + 2 * t4 + (c & 1)] = s[j][c];
+            for (int c = 0; c < 4; ++c) *ss_at(g + 8 * (c >> 1), 8 * j + 2 * t4 + (c & 1)) = s[j][c];
+      }
     }
     __syncthreads();  // every warp is done with this block's K (NARROW: and wrote its S)
-    if (NARROW && active)
+    if (NARROW) {
+      if (active)
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+        for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) s[j][c] = ss[(g + 8 * (c >> 1)) * SW + 8 * j + 2 * t4 + (c & 1)];
+          for (int c = 0; c < 4; ++c) s[j][c] = *ss_at(g + 8 * (c >> 1), 8 * j + 2 * t4 + (c & 1));
+      __syncthreads();  // every warp has read S: the next K block may land over it
+    }
     if (more) stage(ks, kpool, jb + 1, next_page, false); else cp_async_commit();
     float alpha[2];
     if (active) {
@@ -249,7 +265,7 @@
         l_run[e] = __fmaf_rn(l_run[e], alpha[e], bsum[e]);
       }
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
+      for (int n = 0; n < OT; ++n) {
         o[n][0] *= alpha[0];
         o[n][1] *= alpha[0];
         o[n][2] *= alpha[1];
@@ -270,12 +286,13 @@
         const uint32_t a2 = pack_bf16(s[2 * ks16 + 1][0], s[2 * ks16 + 1][1]);
         const uint32_t a3 = pack_bf16(s[2 * ks16 + 1][2], s[2 * ks16 + 1][3]);
 #pragma unroll
-        for (int np = 0; np < D / 16; ++np) {
-          if (NARROW && np % 4 != warp) continue;
+        for (int q = 0; q < OT / 2; ++q) {
+          const int np = o_cols(2 * q) / 2;  // the column pair of O tiles 2q, 2q + 1
+          if (NARROW && np >= D / 16) continue;
           uint32_t b[4];
           ldmatrix_x4_trans(b, vb + (size_t)(16 * ks16 + vkey) * (KW * 8) + 16 * np + vcol);
-          mma_bf16(o[2 * np], a0, a1, a2, a3, b[0], b[1]);
-          mma_bf16(o[2 * np + 1], a0, a1, a2, a3, b[2], b[3]);
+          mma_bf16(o[2 * q], a0, a1, a2, a3, b[0], b[1]);
+          mma_bf16(o[2 * q + 1], a0, a1, a2, a3, b[2], b[3]);
         }
       }
     }
