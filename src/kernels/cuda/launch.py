@@ -82,7 +82,12 @@ time per kernel with the caches flushed before each, as a step reads its weights
   decode row's query heads): the four warps share each key block (S by keys, P V by
   dimension steps) instead of one warp doing it all; the 16k-context split launch 85.9 ->
   75.5 µs under Nsight Compute's detailed sections (still latency bound: one block of 4
-  warps on most SMs, 0.8 TB/s).
+  warps on most SMs, 0.8 TB/s). Since 2026-12-07 a NARROW thread holds only its warp's O
+  tiles and each warp's S goes over its own staged K rows: 175 -> 130 registers and 82.4
+  -> 74 KB of shared memory, three blocks an SM instead of two, so a 16k-context row's
+  288 split blocks run in one wave on 132 SMs (test_cuda_registers, test_cuda_layout).
+  One-stream decode, H100, fresh engines in turn (main, new, new, main): at 16k context
+  210.5 / 211.0 -> 220.3 / 253.2 tok/s, at 32k 173.9 / 170.1 -> 189.8 / 196.1.
 * attention_combine, a block per (row, query head): a block per (row, kv head) took its
   query heads one after another, 20.7 -> 14.0 µs a layer for one 16k-context row under
   Nsight Compute; one-stream decode steps (compiled, pipelined) at 1k context 4.32 -> 4.14
