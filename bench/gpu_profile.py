@@ -165,7 +165,11 @@ def decode_attention(ctx: int, heads: int = 32, kv_heads: int = 8, head_dim: int
     launch makes without its RoPE and K/V write. Timed, with the K/V bytes it reads a
     second: the calls take several slots' K/V in turn, `pool_bytes` in all at least, so
     each reads its keys from HBM as a step's layers do, not from the L2 a repeated call
-    would leave them in. Then the launch once more behind a marker, for ncu."""
+    would leave them in. Then the launch once more behind a marker, for ncu.
+
+    The host's cost of a call (its two launches) is a floor under the time: 45-75 us at a
+    1k context on an H100 (2026-12-07), where 4 MB of K/V take ~2 us to read. Differences
+    below that are the host's; an engine A/B (gpu.sh ab) at 16k-32k decides."""
     import mlx.core as mx
     from gpu_bench import GB, _timed, kv_bytes, long_attention_inputs
 
