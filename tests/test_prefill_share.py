@@ -55,3 +55,13 @@ def test_budget_never_exceeded_and_nothing_lost() -> None:
     assert sum(shares.values()) <= 256
     assert all(0 <= shares[s.id] <= len(s.pending) for s in slots)
     assert _share([Waiting(9, 0.0, [0] * 3)], 256) == {9: 3}
+
+
+def test_prompts_of_one_length_go_one_after_another() -> None:
+    """Eight 16k prompts at once: the oldest takes the whole budget (its remainder is the
+    shortest), so the first answer starts after one prompt's prefill, not two at half
+    speed; the next one in line follows."""
+    slots = [Waiting(i, float(i), [0] * 16384) for i in range(8)]
+    assert _share(slots, 1024) == {0: 1024, **{i: 0 for i in range(1, 8)}}
+    slots[0].pending = [0] * 300  # the oldest's last chunk: the next prompt takes the rest
+    assert _share(slots, 1024) == {0: 300, 1: 724, **{i: 0 for i in range(2, 8)}}

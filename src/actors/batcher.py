@@ -104,9 +104,11 @@ class Batcher(Actor[BatcherMessage]):
         """Decode rows first (one token each), then prefill chunks under the token budget.
 
         Prefill: the oldest waiting prompt always gets at least half the budget (nothing
-        starves), the rest goes to the prompts closest to their first token, so a short
-        chat is not held behind a long document. Chunking never changes a request's tokens:
-        rows are computed the same way in any batch (the batch-invariance rules).
+        starves), the rest goes to the prompts closest to their first token (the oldest's
+        own remainder among them), so a short chat is not held behind a long document and
+        prompts of one length get their first tokens one after another. Chunking never
+        changes a request's tokens: rows are computed the same way in any batch (the
+        batch-invariance rules).
         """
         decode = [o for o in self.offers.values() if not o.prefilling]
         prefill = [o for o in self.offers.values() if o.prefilling and not o.background]
@@ -145,14 +147,19 @@ class Batcher(Actor[BatcherMessage]):
             return []
         prefill.sort(key=lambda o: o.arrived_at)
         oldest = prefill[0]
-        floor = min(len(oldest.work.tokens), max(budget // 2, 1))
-        left = budget - floor
-        shares: dict[int, int] = {}
-        for o in sorted(prefill[1:], key=lambda o: (len(o.work.tokens), o.arrived_at)):
-            take = min(len(o.work.tokens), left)
-            shares[o.slot_id] = take
+        shares = {o.slot_id: 0 for o in prefill}
+        shares[oldest.slot_id] = min(len(oldest.work.tokens), max(budget // 2, 1))
+        left = budget - shares[oldest.slot_id]
+
+        def remaining(o: Ready) -> int:
+            return len(o.work.tokens) - shares[o.slot_id]
+
+        # the rest by tokens left to their first token, the oldest's remainder among them:
+        # prompts of one length go one after another, not two at half speed each
+        for o in sorted(prefill, key=lambda o: (remaining(o), o.arrived_at)):
+            take = min(remaining(o), left)
+            shares[o.slot_id] += take
             left -= take
-        shares[oldest.slot_id] = min(len(oldest.work.tokens), floor + left)
         return [(o, shares[o.slot_id]) for o in prefill]
 
     def _aligned(self, work: RowWork, take: int) -> int:
