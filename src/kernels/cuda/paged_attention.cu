@@ -128,6 +128,7 @@
   // is its K and V, and three blocks fit an SM): warp w's keys 32w .. 32w + 31, S [16][SW]
   // floats, over its own K rows 32w .., which only it reads
   constexpr int SW = 36;  // floats a row of a warp's S (padded: 4 banks a row, as 132 was)
+  static_assert(!NARROW || 16 * SW * 4 <= 32 * KW * 16, "a warp's S fits in its K rows");
   auto ss_at = [&](int row, int key) {
     return reinterpret_cast<float*>(ks + (key >> 5) * 32 * KW) + row * SW + (key & 31);
   };
