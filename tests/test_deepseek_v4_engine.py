@@ -162,7 +162,9 @@ def test_a_preempted_request_resumes_with_its_own_tokens(
         for i in range(3):  # just under a page each, different from the first token on
             ids = _ids(engine, f"{i} " + " ".join(words[i * 5:]))
             prompts.append(ids[: BLOCK - 12 - i])
-        opts = [{**options(i), "max_tokens": 24} for i in range(3)]
+        # answers long enough that all three still run when the later ones cross (the
+        # prompts prefill one after another, each answer starting as its prompt is in)
+        opts = [{**options(i), "max_tokens": 48} for i in range(3)]
         alone = []
         for p, o in zip(prompts, opts, strict=True):
             engine.drop_retained()

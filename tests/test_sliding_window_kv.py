@@ -188,7 +188,10 @@ def test_preempted_requests_resume_from_their_window_rows(checkpoint: Path) -> N
         topics = ("lake", "forest", "desert")
         prompts = [long_prompt(h, 120, t)[: 2 * BLOCK - 20 + i] for i, t in enumerate(topics)]
         assert all(len(p) > BLOCK for p in prompts)
-        opts = [GREEDY, {**GREEDY, "temperature": 0.8, "seed": 3}, GREEDY]
+        # answers of 2 NEW tokens: all three still run when the later ones cross (the
+        # prompts prefill one after another, each answer starting as its prompt is in)
+        opts = [{**o, "max_tokens": 2 * NEW}
+                for o in (GREEDY, {**GREEDY, "temperature": 0.8, "seed": 3}, GREEDY)]
         alone = []
         for p, o in zip(prompts, opts, strict=True):
             engine.drop_retained()
