@@ -20,7 +20,7 @@
     for (int n = 0; n < OT; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const bool read = !f[c >> 1].skip && !f[c >> 1].take && !(NARROW && 8 * o_cols(n) >= D);
+        const bool read = !f[c >> 1].skip && !f[c >> 1].take && o_real(n);
         prev[n][c] = read ? fold_acc[(4 * n + c) * 128] : 0.0f;
       }
 #pragma unroll
@@ -35,7 +35,7 @@
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const SplitFold& fe = f[c >> 1];
-        if (!fe.skip && !(NARROW && 8 * o_cols(n) >= D))
+        if (!fe.skip && o_real(n))
           fold_acc[(4 * n + c) * 128] = fe.take ? o[n][c] : split_fold_sum(fe, prev[n][c], o[n][c]);
         o[n][c] = 0.0f;
       }

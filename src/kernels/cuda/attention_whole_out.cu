@@ -15,7 +15,7 @@
           + ((size_t)m_row[e] * HQ + h * G + m_head[e]) * D + 2 * t4;
 #pragma unroll
       for (int n = 0; n < OT; ++n) {
-        if (NARROW && 8 * o_cols(n) >= D) continue;  // a tile past D
+        if (!o_real(n)) continue;  // a tile past D
         *reinterpret_cast<__nv_bfloat162*>(dst + 8 * o_cols(n)) = __floats2bfloat162_rn(
             attention_out_value(value(n, 2 * e), SINKS, f, sum),
             attention_out_value(value(n, 2 * e + 1), SINKS, f, sum));

@@ -85,6 +85,7 @@
   // tile past D (the last pair of a warp, where D / 16 is no multiple of 4) stays zero
   constexpr int OT = NARROW ? 2 * ((D / 16 + 3) / 4) : D / 8;
   auto o_cols = [&](int n) { return NARROW ? 2 * (warp + 4 * (n >> 1)) + (n & 1) : n; };
+  auto o_real = [&](int n) { return !NARROW || 8 * o_cols(n) < D; };  // a tile within D
   // the first row's position is read beside its table (not after the padding test), so the
   // block's key range waits on one load, not two in a row
   const int pos_first = row_pos[first];
@@ -288,8 +289,8 @@
         const uint32_t a3 = pack_bf16(s[2 * ks16 + 1][2], s[2 * ks16 + 1][3]);
 #pragma unroll
         for (int q = 0; q < OT / 2; ++q) {
+          if (!o_real(2 * q)) continue;
           const int np = o_cols(2 * q) / 2;  // the column pair of O tiles 2q, 2q + 1
-          if (NARROW && np >= D / 16) continue;
           uint32_t b[4];
           ldmatrix_x4_trans(b, vb + (size_t)(16 * ks16 + vkey) * (KW * 8) + 16 * np + vcol);
           mma_bf16(o[2 * q], a0, a1, a2, a3, b[0], b[1]);
