@@ -91,8 +91,10 @@ def test_top_values_are_each_rows_largest_in_order(lib: ctypes.CDLL) -> None:
 def test_sampler_probabilities_and_draw_are_mlxs_bits(lib: ctypes.CDLL) -> None:
     """slot_sampler_exp2 gives mx.power(2, (z - max) * scale)'s bits (peaked, flat and
     -inf entries, a row of one value), and slot_sampler_draw the token of _draw's MLX ops
-    (a running sum, its two counts) with and without a keep mask; the sampler's own probe
-    of that (sampling.native_draw_agrees) finds it too, so the host path takes them."""
+    (the truncation mask, a running sum, its two counts) without truncation and under
+    min_p, top_k and top_p rules, a tie at the cut among them; the sampler's own probe of
+    that (sampling.native_draw_agrees) finds it too, so the host path takes them."""
+    from slotserve.kernels import cpu_sampler
     from slotserve.runtime import sampling
 
     assert sampling.native_draw_agrees()
@@ -111,15 +113,30 @@ def test_sampler_probabilities_and_draw_are_mlxs_bits(lib: ctypes.CDLL) -> None:
     u = rng.random(n).astype(np.float32)
     u[0] = 0.0
     u[-1] = np.nextafter(np.float32(1.0), np.float32(0.0))
-    keep = rng.random((n, v)) < 0.3
-    for mask in (None, keep):
-        em = mx.array(e) if mask is None else mx.array(e) * mx.array(mask)
-        cdf = mx.cumsum(em, axis=-1)
-        mass = cdf[:, -1:]
-        first = mx.sum(cdf <= mx.array(u)[:, None] * mass, axis=-1)
-        want_t = np.asarray(mx.minimum(first, mx.sum(cdf < mass, axis=-1)))
-        got = np.empty(n, np.int32)
-        flags = None if mask is None else np.ascontiguousarray(mask, dtype=np.uint8)
-        assert lib.slot_sampler_draw(e.ctypes.data, None if flags is None else flags.ctypes.data,
-                                     n, v, u.ctypes.data, got.ctypes.data) == 0
-        np.testing.assert_array_equal(got, want_t)
+    at_mass = u.copy()
+    at_mass[1] = 1.0  # a target at the mass: no running sum passes it (both counts in full)
+    em = mx.array(e)
+    total = mx.sum(em, axis=-1)
+    off, none = np.full(n, v), np.zeros(n, np.float32)
+    cases = [(off, np.ones(n, np.float32), none),  # no truncation
+             (off, np.ones(n, np.float32), np.full(n, 0.05, np.float32)),  # min_p alone
+             # top_k, top_p and min_p mixed; row 3 is one value, so its top 2 are a tie cut
+             (np.array([40, 1, 5, 2, 100, v, 7]),
+              np.array([1.0, 0.9, 1.0, 1.0, 0.5, 0.8, 0.95], np.float32),
+              np.array([0.0, 0.0, 0.01, 0.0, 0.0, 0.1, 0.0], np.float32))]
+    for k_eff, top_p, min_p in cases:
+        rule = sampling._truncation(em, total, k_eff, top_p, min_p)
+        mask = sampling._truncation_mask(em, total, k_eff, top_p, min_p)
+        for uu in (u, at_mass):
+            want_t = np.asarray(sampling._cdf_draw(em, mask, mx.array(uu)))
+            got = np.empty(n, np.int32)
+            ptrs = [None] * 3 if rule is None else [
+                a.ctypes.data for a in (rule.lo, rule.tied, rule.ranks)]
+            assert lib.slot_sampler_draw(e.ctypes.data, n, v, *ptrs, uu.ctypes.data,
+                                         got.ctypes.data) == 0
+            np.testing.assert_array_equal(got, want_t)
+            if rule is not None:
+                np.testing.assert_array_equal(
+                    cpu_sampler.draw(e, uu, rule.lo, rule.tied, rule.ranks), want_t)
+    assert rule is not None and rule.ranks[3] == 2 and rule.tied[3] == 1.0  # the tie cut
+    assert want_t[3] in (0, 1)  # of a flat row's ties, the two lowest ids

@@ -2,7 +2,8 @@
 
 runtime.sampling's host path on MLX's CPU ops spends ~25 ms of a 32-row step of a
 49,152-token vocabulary in them, each on one thread: the rows' max and power (~9 ms), the
-top-k prefix the cutoffs read (~10 ms with its sort), the cumsum and the draw's counts.
+top-k prefix the cutoffs read (~10 ms with its sort), the keep mask, the cumsum and the
+draw's counts.
 These compute the same numbers (the max and selection are exact; MLX's CPU power is
 glibc's powf on Linux, as here, and its cumsum sequential, as here), rows side by side,
 so the sampler's tokens are unchanged (tests/test_cpu_ops.py compares the bits). The
@@ -61,18 +62,27 @@ def probabilities(z: mx.array | np.ndarray, scale: np.ndarray) -> np.ndarray | N
     return out
 
 
-def draw(e: np.ndarray, keep: mx.array | np.ndarray | None, u: np.ndarray) -> np.ndarray | None:
-    """[n] int32: per row the inverse-CDF draw of runtime.sampling._draw over e [n, v]
-    (kept entries only, keep [n, v] bool; None: all) at uniform u[row]."""
+def draw(e: np.ndarray, u: np.ndarray, lo: np.ndarray | None = None,
+         tied: np.ndarray | None = None, cut_ranks: np.ndarray | None = None
+         ) -> np.ndarray | None:
+    """[n] int32: per row the inverse-CDF draw of runtime.sampling._draw over e [n, v] at
+    uniform u[row], under the truncation runtime.sampling._truncation_mask builds from the
+    same per-row numbers (lo, tied and cut_ranks, its `Truncation`; None: no truncation),
+    applied entry by entry rather than as a mask."""
     lib = native.library()
     if lib is None:
         return None
     host = _host(e)
     n, v = host.shape
-    mask = None if keep is None else _host(keep, np.uint8)
-    assert mask is None or mask.shape == (n, v), "a keep flag an entry"
     uniforms = np.ascontiguousarray(u, dtype=np.float32)
+    rule: list[ctypes.c_void_p | None] = [None, None, None]
+    if lo is not None:
+        assert tied is not None and cut_ranks is not None, "the whole truncation rule"
+        arrays = (np.ascontiguousarray(lo, dtype=np.float32),
+                  np.ascontiguousarray(tied, dtype=np.float32),
+                  np.ascontiguousarray(cut_ranks, dtype=np.int64))
+        assert all(a.shape == (n,) for a in arrays), "a rule a row"
+        rule = [_ptr(a) for a in arrays]
     tokens = np.empty((n,), dtype=np.int32)
-    lib.slot_sampler_draw(_ptr(host), None if mask is None else _ptr(mask), n, v,
-                          _ptr(uniforms), _ptr(tokens))
+    lib.slot_sampler_draw(_ptr(host), n, v, *rule, _ptr(uniforms), _ptr(tokens))
     return tokens

@@ -54,7 +54,7 @@ _SIGNATURES = {
                        _c_ptr],
     "slot_top_values": [_c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr],
     "slot_sampler_exp2": [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr],
-    "slot_sampler_draw": [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr],
+    "slot_sampler_draw": [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr],
     "slot_llama_block": [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, ctypes.c_float, _c_ptr,
                          _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64,
                          _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64,

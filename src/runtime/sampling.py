@@ -459,6 +459,41 @@ def _rank_cutoffs(
     return c, thr
 
 
+@dataclass
+class Truncation:
+    """Each row's top_k / top_p / min_p rule as numbers (_truncation): kept are the entries
+    e >= lo, and of those equal to tied (a cut row's threshold; -1: the row is not cut),
+    where more than `ranks` entries are >= it, only the first ones by id, as a stable sort
+    would rank them, up to `ranks` kept in all."""
+
+    lo: np.ndarray  # float32 [n]
+    tied: np.ndarray  # float32 [n]
+    ranks: np.ndarray  # int64 [n]: the kept-rank count c (the vocabulary: no cut)
+
+
+def _truncation(
+    e: mx.array,
+    total: mx.array,
+    k_eff: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+) -> Truncation | None:
+    """The rows' truncation rule (Truncation), or None when no row truncates."""
+    n, vocab = e.shape
+    ranked = (k_eff < vocab) | (top_p < 1.0)
+    if not ranked.any():
+        if not (min_p > 0).any():
+            return None
+        return Truncation(min_p.astype(np.float32), np.full(n, -1.0, np.float32),
+                          np.full(n, vocab, np.int64))
+    c, thr = _rank_cutoffs(e, total, k_eff, top_p)
+    cut = c < vocab
+    # e >= 0 everywhere, so a 0 threshold keeps the whole row.
+    thr = np.where(cut, thr, np.float32(0.0)).astype(np.float32)
+    return Truncation(np.maximum(min_p, thr).astype(np.float32),
+                      np.where(cut, thr, np.float32(-1.0)).astype(np.float32), c)
+
+
 def _truncation_mask(
     e: mx.array,
     total: mx.array,
@@ -466,28 +501,26 @@ def _truncation_mask(
     top_p: np.ndarray,
     min_p: np.ndarray,
 ) -> mx.array | None:
-    """Boolean keep mask for top_k / top_p / min_p, or None when no row truncates."""
-    vocab = e.shape[1]
-    ranked = (k_eff < vocab) | (top_p < 1.0)
-    if not ranked.any():
-        if not (min_p > 0).any():
-            return None
-        return e >= mx.array(min_p.astype(np.float32))[:, None]
-    c, thr = _rank_cutoffs(e, total, k_eff, top_p)
-    cut = c < vocab
-    # e >= 0 everywhere, so a 0 threshold keeps the whole row.
-    thr = np.where(cut, thr, np.float32(0.0)).astype(np.float32)
-    keep = e >= mx.array(np.maximum(min_p, thr).astype(np.float32))[:, None]
+    """Boolean keep mask for top_k / top_p / min_p (_truncation's rule), or None when no row
+    truncates."""
+    rule = _truncation(e, total, k_eff, top_p, min_p)
+    if rule is None:
+        return None
+    keep = e >= mx.array(rule.lo)[:, None]
+    c = rule.ranks
+    cut = c < e.shape[1]
+    if not cut.any():
+        return keep
     # Tokens tied with the threshold: keep only the lowest ids, as a stable sort would.
-    thr_mx = mx.array(np.where(cut, thr, np.float32(-1.0)).astype(np.float32))[:, None]
-    n_gt, n_ge = mx.sum(e > thr_mx, axis=-1), mx.sum(e >= thr_mx, axis=-1)
+    tied = mx.array(rule.tied)[:, None]
+    n_gt, n_ge = mx.sum(e > tied, axis=-1), mx.sum(e >= tied, axis=-1)
     mx.eval(n_gt, n_ge)
     excess = cut & (np.array(n_ge) > c)
     if excess.any():
-        need = mx.array(np.where(excess, c - np.array(n_gt), vocab).astype(np.int32))[:, None]
-        eq = e == mx.array(np.where(excess, thr, np.float32(-1.0)).astype(np.float32))[:, None]
+        need = mx.array(np.where(excess, c - np.array(n_gt), e.shape[1]).astype(np.int32))
+        eq = e == mx.array(np.where(excess, rule.tied, np.float32(-1.0)))[:, None]
         rank = mx.cumsum(eq.astype(mx.int32), axis=-1)
-        keep = keep & (mx.logical_not(eq) | (rank <= need))
+        keep = keep & (mx.logical_not(eq) | (rank <= need[:, None]))
     return keep
 
 
@@ -608,24 +641,37 @@ def native_draw_agrees() -> bool:
     """Whether kernels.cpu_sampler's probabilities and draw give _probabilities' and
     _cdf_draw's bits on this machine (MLX's CPU power must be the C library's powf, its
     cumsum sequential): a probe of rows from peaked to flat (-inf entries included) at
-    scales across the sampler's range, each draw with and without a keep mask, checked
-    once a process. Where it fails the host path keeps MLX's ops, with a warning."""
+    scales across the sampler's range, each drawn untruncated and under top_k / top_p /
+    min_p rules (ties at a cut among them), checked once a process. Where it fails the host
+    path keeps MLX's ops, with a warning."""
     rng = np.random.default_rng(20261204)
     spread = np.array([[8], [4], [1], [0.2], [0.01], [30]])
     z = (rng.standard_normal((6, 4096)) * spread).astype(np.float32)
     z[0, ::7] = -np.inf
+    z[3, 1::2] = z[3, 0]  # half the row tied with its first entry
     scale = np.array([1.4426950, 0.72, 2.885, 144.27, 0.0144, 7.2], np.float32)
     u = rng.random(6).astype(np.float32)
     got = cpu_sampler.probabilities(z, scale)
     if got is None:
         return False
+    rules = [(np.full(6, 4096), np.ones(6, np.float32), np.zeros(6, np.float32)),
+             (np.array([4096, 40, 1, 3000, 4096, 7]),
+              np.array([0.9, 1.0, 1.0, 0.5, 0.95, 0.3], np.float32),
+              np.array([0.0, 0.0, 0.2, 0.0, 0.01, 0.05], np.float32))]
     with mx.stream(mx.cpu):  # MLX's CPU ops, whatever the default device
         zm = mx.array(z)
         want = np.asarray(_probabilities(zm, mx.max(zm, axis=-1), mx.array(scale)))
-        draws = [(mask, np.asarray(_cdf_draw(mx.array(want), mask, mx.array(u))))
-                 for mask in (None, mx.array(rng.random(z.shape) < 0.5))]
+        e = mx.array(want)
+        total = mx.sum(e, axis=-1)
+        draws = []
+        for k_eff, top_p, min_p in rules:
+            rule = _truncation(e, total, k_eff, top_p, min_p)
+            mask = _truncation_mask(e, total, k_eff, top_p, min_p)
+            draws.append((rule, np.asarray(_cdf_draw(e, mask, mx.array(u)))))
     same = np.array_equal(got.view(np.uint32), want.view(np.uint32)) and all(
-        np.array_equal(cpu_sampler.draw(want, mask, u), tokens) for mask, tokens in draws)
+        np.array_equal(cpu_sampler.draw(want, u) if rule is None else
+                       cpu_sampler.draw(want, u, rule.lo, rule.tied, rule.ranks), tokens)
+        for rule, tokens in draws)
     if not same:
         log.warning("native sampler passes do not match MLX's CPU ops here; using MLX's")
     return same
@@ -637,15 +683,17 @@ def _host_draw(
 ) -> mx.array | None:
     """_draw's host path with its passes over the vocabulary in slotserve's native CPU
     kernels (kernels.cpu_sampler): the same probabilities, cutoffs and draws, so the same
-    tokens; None where they are not available or do not agree (native_draw_agrees)."""
+    tokens, the truncation applied inside the draw instead of as a mask; None where they
+    are not available or do not agree (native_draw_agrees)."""
     if not native_draw_agrees():
         return None
     e_host = cpu_sampler.probabilities(z, scale)
     assert e_host is not None  # (native_draw_agrees ran them)
     e = mx.array(e_host)
-    keep = _truncation_mask(e, mx.sum(e, axis=-1), k_eff, top_p, min_p)
+    rule = _truncation(e, mx.sum(e, axis=-1), k_eff, top_p, min_p)
     u = np.array(list(map(uniform_for, seeds, draws)), np.float32)
-    tokens = cpu_sampler.draw(e_host, keep, u)
+    tokens = (cpu_sampler.draw(e_host, u) if rule is None else
+              cpu_sampler.draw(e_host, u, rule.lo, rule.tied, rule.ranks))
     assert tokens is not None
     return mx.array(tokens)
 

@@ -10,8 +10,9 @@
  *     its sort); this is a radix select on the values' order-preserving integer keys (three
  *     passes of a 4,096-, 4,096- and 256-bin histogram find the k-th largest key exactly),
  *     then a sort of only the keys above it: the same values whatever the algorithm.
- * slot_sampler_draw  the inverse-CDF draw: running sums in index order (MLX's CPU cumsum is
- *     sequential), then the two counts MLX's draw takes.
+ * slot_sampler_draw  the truncation mask and the inverse-CDF draw: running sums in index
+ *     order (MLX's CPU cumsum is sequential) up to the first that passes the draw's target,
+ *     which is where both of MLX's counts end.
  */
 #include <math.h>
 #include <stdint.h>
@@ -104,25 +105,76 @@ int slot_sampler_exp2(const float *z, int64_t n, int64_t v, const float *scale, 
   return 0;
 }
 
-/* tokens[r] = min(first, last) over the running sums c_i of e[r, i] * keep[r, i] (keep NULL:
- * all kept), in index order: first counts c_i <= u[r] * c_last, last counts c_i < c_last. */
-int slot_sampler_draw(const float *e, const uint8_t *keep, int64_t n, int64_t v, const float *u,
-                      int32_t *tokens) {
+/* Row r's entry x under the truncation (lo NULL: none): x where kept, else x * 0 (as
+ * MLX's e * keep gives it). Kept: x >= low, and where the row's cut has excess ties
+ * (excess), of the entries equal to tie only the first `need` by id; *rank counts those
+ * seen so far (every one, kept or not, as the mask's cumsum does). */
+static inline float kept_entry(float x, int trunc, float low, int excess, float tie,
+                               int64_t need, int64_t *rank) {
+  if (!trunc) return x;
+  int keep = x >= low;
+  if (excess && x == tie) keep = keep && ++*rank <= need;
+  return x * (float)keep;
+}
+
+/* tokens[r]: runtime.sampling's draw of row r of e [n, v] under its truncation, the keep
+ * mask of _truncation_mask applied entry by entry instead of materialised: kept are
+ * e >= lo[r], and where the row is cut (c[r] < v) and more than c[r] entries are >=
+ * tied[r], only the first c[r] - #(e > tied[r]) of those equal to tied[r], by id (lo, tied,
+ * c NULL: no truncation). Then the inverse-CDF draw of _cdf_draw: running sums c_i of the
+ * kept entries in index order (MLX's CPU cumsum is sequential), mass the last; the token is
+ * min(first, last), first counting c_i <= u[r] * mass and last c_i < mass. The sums never
+ * decrease (every kept entry is >= 0 where mass is finite) and end at mass > target, so
+ * both counts are the first id whose sum passes the target: the scan stops there. A NaN
+ * mass compares false everywhere (token 0); a target at or past the mass (never, for
+ * u < 1 and the top entry kept) takes both counts in full. */
+int slot_sampler_draw(const float *e, int64_t n, int64_t v, const float *lo, const float *tied,
+                      const int64_t *c, const float *u, int32_t *tokens) {
 #pragma omp parallel for schedule(static) if (n > 1 && n * v > 65536)
   for (int64_t r = 0; r < n; r++) {
     const float *row = e + r * v;
-    const uint8_t *kr = keep ? keep + r * v : NULL;
-    float mass = 0.0f;
-    for (int64_t i = 0; i < v; i++) mass += kr ? row[i] * (float)kr[i] : row[i];
-    const float target = u[r] * mass;
-    float c = 0.0f;
-    int64_t first = 0, last = 0;
-    for (int64_t i = 0; i < v; i++) {
-      c += kr ? row[i] * (float)kr[i] : row[i];
-      first += c <= target;
-      last += c < mass;
+    const int trunc = lo != NULL;
+    const float low = trunc ? lo[r] : 0.0f, tie = trunc ? tied[r] : -1.0f;
+    int excess = 0;
+    int64_t need = v, rank = 0;
+    if (trunc && c[r] < v) {
+      int64_t gt = 0, ge = 0;
+      for (int64_t i = 0; i < v; i++) {
+        gt += row[i] > tie;
+        ge += row[i] >= tie;
+      }
+      excess = ge > c[r];
+      need = c[r] - gt;
     }
-    tokens[r] = (int32_t)(first < last ? first : last);
+    float mass = 0.0f;
+    for (int64_t i = 0; i < v; i++) mass += kept_entry(row[i], trunc, low, excess, tie, need, &rank);
+    const float target = u[r] * mass;
+    int64_t token = -1;
+    if (mass != mass) {
+      token = 0;
+    } else {
+      float run = 0.0f;
+      rank = 0;
+      for (int64_t i = 0; i < v; i++) {
+        run += kept_entry(row[i], trunc, low, excess, tie, need, &rank);
+        if (run > target) {
+          token = i;
+          break;
+        }
+      }
+    }
+    if (token < 0) {
+      float run = 0.0f;
+      int64_t first = 0, last = 0;
+      rank = 0;
+      for (int64_t i = 0; i < v; i++) {
+        run += kept_entry(row[i], trunc, low, excess, tie, need, &rank);
+        first += run <= target;
+        last += run < mass;
+      }
+      token = first < last ? first : last;
+    }
+    tokens[r] = (int32_t)token;
   }
   return 0;
 }
