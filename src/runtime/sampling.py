@@ -462,9 +462,9 @@ def _rank_cutoffs(
 @dataclass
 class Truncation:
     """Each row's top_k / top_p / min_p rule as numbers (_truncation): kept are the entries
-    e >= lo, and of those equal to tied (a cut row's threshold; -1: the row is not cut),
-    where more than `ranks` entries are >= it, only the first ones by id, as a stable sort
-    would rank them, up to `ranks` kept in all."""
+    e >= lo; where a cut row (ranks below the vocabulary) has more than `ranks` entries >=
+    tied, its threshold, only so many of those equal to tied are kept, lowest ids first (a
+    stable sort's order), as make `ranks` in all."""
 
     lo: np.ndarray  # float32 [n]
     tied: np.ndarray  # float32 [n]
@@ -669,9 +669,7 @@ def native_draw_agrees() -> bool:
             mask = _truncation_mask(e, total, k_eff, top_p, min_p)
             draws.append((rule, np.asarray(_cdf_draw(e, mask, mx.array(u)))))
     same = np.array_equal(got.view(np.uint32), want.view(np.uint32)) and all(
-        np.array_equal(cpu_sampler.draw(want, u) if rule is None else
-                       cpu_sampler.draw(want, u, rule.lo, rule.tied, rule.ranks), tokens)
-        for rule, tokens in draws)
+        np.array_equal(_native_draw(want, u, rule), tokens) for rule, tokens in draws)
     if not same:
         log.warning("native sampler passes do not match MLX's CPU ops here; using MLX's")
     return same
@@ -692,10 +690,16 @@ def _host_draw(
     e = mx.array(e_host)
     rule = _truncation(e, mx.sum(e, axis=-1), k_eff, top_p, min_p)
     u = np.array(list(map(uniform_for, seeds, draws)), np.float32)
-    tokens = (cpu_sampler.draw(e_host, u) if rule is None else
-              cpu_sampler.draw(e_host, u, rule.lo, rule.tied, rule.ranks))
+    tokens = _native_draw(e_host, u, rule)
     assert tokens is not None
     return mx.array(tokens)
+
+
+def _native_draw(e: np.ndarray, u: np.ndarray, rule: Truncation | None) -> np.ndarray | None:
+    """cpu_sampler.draw of e [n, v] at uniforms u under `rule` (None: untruncated)."""
+    if rule is None:
+        return cpu_sampler.draw(e, u)
+    return cpu_sampler.draw(e, u, rule.lo, rule.tied, rule.ranks)
 
 
 def sample_rows(
