@@ -113,7 +113,10 @@ static inline float kept_entry(float x, int trunc, float low, int excess, float 
                                int64_t need, int64_t *rank) {
   if (!trunc) return x;
   int keep = x >= low;
-  if (excess && x == tie) keep = keep && ++*rank <= need;
+  if (excess && x == tie) {
+    ++*rank;
+    keep = keep && *rank <= need;
+  }
   return x * (float)keep;
 }
 
