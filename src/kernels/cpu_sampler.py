@@ -5,7 +5,8 @@ runtime.sampling's host path on MLX's CPU ops spends ~25 ms of a 32-row step of 
 top-k prefix the cutoffs read (~10 ms with its sort), the keep mask, the cumsum and the
 draw's counts.
 These compute the same numbers (the max and selection are exact; MLX's CPU power is
-glibc's powf on Linux, as here, and its cumsum sequential, as here), rows side by side,
+glibc's powf on Linux, whose bits at base 2 are glibc's exp2f's, which these call, and its
+cumsum is sequential, as here), rows side by side,
 so the sampler's tokens are unchanged (tests/test_cpu_ops.py compares the bits). The
 probabilities and the draw depend on MLX's CPU math agreeing with the C library's, which
 runtime.sampling checks once on a probe before it takes them (`native_draw_agrees`). Each

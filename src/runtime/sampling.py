@@ -639,11 +639,12 @@ def _cdf_draw(e: mx.array, keep: mx.array | None, uniforms: mx.array) -> mx.arra
 @cache
 def native_draw_agrees() -> bool:
     """Whether kernels.cpu_sampler's probabilities and draw give _probabilities' and
-    _cdf_draw's bits on this machine (MLX's CPU power must be the C library's powf, its
-    cumsum sequential): a probe of rows from peaked to flat (-inf entries included) at
-    scales across the sampler's range, each drawn untruncated and under top_k / top_p /
-    min_p rules (ties at a cut among them), checked once a process. Where it fails the host
-    path keeps MLX's ops, with a warning."""
+    _cdf_draw's bits on this machine (MLX's CPU power, the C library's powf, must give what
+    its exp2f gives for the exponents here, <= 0; MLX's cumsum must be sequential): a probe
+    of rows from peaked to flat (-inf entries included) at scales across the sampler's
+    range, each drawn untruncated and under top_k / top_p / min_p rules (ties at a cut among
+    them), and 262,144 exponents spread over [-160, 0] (uniformly and log-uniformly),
+    checked once a process. Where it fails the host path keeps MLX's ops, with a warning."""
     rng = np.random.default_rng(20261204)
     spread = np.array([[8], [4], [1], [0.2], [0.01], [30]])
     z = (rng.standard_normal((6, 4096)) * spread).astype(np.float32)
@@ -654,6 +655,12 @@ def native_draw_agrees() -> bool:
     got = cpu_sampler.probabilities(z, scale)
     if got is None:
         return False
+    exponents = np.concatenate([-rng.random((4, 32768)) * 160,
+                                -np.exp2(rng.uniform(-30.0, 7.3, (4, 32768)))]).astype(np.float32)
+    exponents[:, 0] = 0.0  # each row's max: at scale 1 the probabilities are 2^exponent
+    ones = np.ones(8, np.float32)
+    swept = cpu_sampler.probabilities(exponents, ones)
+    assert swept is not None
     rules = [(np.full(6, 4096), np.ones(6, np.float32), np.zeros(6, np.float32)),
              (np.array([4096, 40, 1, 3000, 4096, 7]),
               np.array([0.9, 1.0, 1.0, 0.5, 0.95, 0.3], np.float32),
@@ -661,6 +668,8 @@ def native_draw_agrees() -> bool:
     with mx.stream(mx.cpu):  # MLX's CPU ops, whatever the default device
         zm = mx.array(z)
         want = np.asarray(_probabilities(zm, mx.max(zm, axis=-1), mx.array(scale)))
+        xm = mx.array(exponents)
+        want_swept = np.asarray(_probabilities(xm, mx.max(xm, axis=-1), mx.array(ones)))
         e = mx.array(want)
         total = mx.sum(e, axis=-1)
         draws = []
@@ -668,7 +677,8 @@ def native_draw_agrees() -> bool:
             rule = _truncation(e, total, k_eff, top_p, min_p)
             mask = _truncation_mask(e, total, k_eff, top_p, min_p)
             draws.append((rule, np.asarray(_cdf_draw(e, mask, mx.array(u)))))
-    same = np.array_equal(got.view(np.uint32), want.view(np.uint32)) and all(
+    same = (np.array_equal(got.view(np.uint32), want.view(np.uint32))
+            and np.array_equal(swept.view(np.uint32), want_swept.view(np.uint32))) and all(
         np.array_equal(_native_draw(want, u, rule), tokens) for rule, tokens in draws)
     if not same:
         log.warning("native sampler passes do not match MLX's CPU ops here; using MLX's")
