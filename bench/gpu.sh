@@ -45,7 +45,7 @@
 #          and f32: which launch (not in the default list)
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
 #          (the synth llama3-8b, or $PROFILE_MODEL; rows $PROFILE_ROWS, default 1,64; context
-#          $PROFILE_CTX, default 128, several given: a profile each; $PROFILE_SPLIT: key
+#          $PROFILE_CTX, default 128, several given (spaces or commas): a profile each; $PROFILE_SPLIT: key
 #          blocks an attention split takes, default launch.SPLIT_BLOCKS; $PROFILE_TREES:
 #          name=src pairs, each tree in turn, e.g. "main=.exp/main/src new=src")
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
@@ -429,7 +429,8 @@ if want profile; then
   for spec in ${PROFILE_TREES:-=src}; do
     tree=${spec#*=} tag=${spec%%=*}
     pkg=/tmp/slotserve-pkg; [ -z "$tag" ] || pkg=$(tree_pkg "$tag" "$tree")  # default: src
-    for ctx in ${PROFILE_CTX:-128}; do
+    ctxs=${PROFILE_CTX:-128}
+    for ctx in ${ctxs//,/ }; do
       name=profile${tag:+_$tag}; [ "$ctx" = 128 ] || name=${name}_ctx$ctx
       stage "profile: one decode step kernel by kernel (ncu), ${PROFILE_ROWS:-1,64} rows, $ctx-token context${tag:+, tree $tag ($tree)}"
       PYTHONPATH=$pkg:$PYTHONPATH ncu_stage "$name" bench/gpu_profile.py \
@@ -485,7 +486,7 @@ if want sass; then
   stage "sass: where the warps of a 1-row decode step's gate+up and attention launches wait (ncu's SASS page, bench/sass_hotspots.py)"
   sass_report sass_q4.csv -k regex:slotserve_q4_matmul_1_4_8_2 -c 1 \
     $PY bench/gpu_profile.py "$LLAMA" --rows 1
-  for ctx in $ATTENTION_CTX; do
+  for ctx in ${ATTENTION_CTX//,/ }; do
     sass_report "sass_attention_ctx$ctx.csv" -k regex:"$ATTENTION_KERNELS" -c 1 \
       $PY bench/gpu_profile.py "$LLAMA" --rows 1 --ctx "$ctx"
   done

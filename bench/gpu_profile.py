@@ -238,7 +238,10 @@ def _short(name: str) -> str:
 def summarize(csv_path: Path) -> dict[str, Any]:
     """{rows: {kernels, total_us, by_kernel: {name: [count, us]}}} from ncu's CSV log."""
     text = csv_path.read_text().splitlines()
-    start = next(i for i, line in enumerate(text) if line.startswith('"ID"'))
+    start = next((i for i, line in enumerate(text) if line.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError(f"{csv_path}: no kernel records in ncu's log (did the profiled "
+                         "command fail? its output is above)")
     steps: dict[str, dict[str, list[float]]] = {}
     current: dict[str, list[float]] | None = None
     for row in csv.DictReader(text[start:]):
@@ -293,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
 
         launch.SPLIT_BLOCKS = args.split_blocks
     if args.summarize:
-        json.dump(summarize(args.summarize), sys.stdout, indent=1)
+        try:
+            summary = summarize(args.summarize)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        json.dump(summary, sys.stdout, indent=1)
         print()
         return 0
     sys.path.insert(0, str(Path(__file__).parent))

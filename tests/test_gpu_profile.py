@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 _SPEC = importlib.util.spec_from_file_location(
     "gpu_profile", Path(__file__).parent.parent / "bench" / "gpu_profile.py")
 assert _SPEC is not None and _SPEC.loader is not None
@@ -50,3 +52,14 @@ def test_summarize_groups_kernels_by_marked_step(tmp_path: Path) -> None:
     assert out["1"]["by_kernel"]["rms_norm_small"] == [1, 4.3]
     assert out["1"]["total_us"] == 45.9
     assert out["64"]["by_kernel"] == {"slotserve_q4_matmul_4_2_8_t_f": [1, 153.4]}
+
+
+def test_a_log_without_kernels_says_so(tmp_path: Path) -> None:
+    """A profiled command that failed (an argument error, say) leaves ncu's log without
+    records: summarize says so, and the command line exits 1 instead of a traceback."""
+    log = tmp_path / "steps.csv"
+    log.write_text("==PROF== Connected to process 826 (/usr/bin/python3.12)\n"
+                   "==PROF== Disconnected from process 826\n")
+    with pytest.raises(ValueError, match="no kernel records"):
+        gpu_profile.summarize(log)
+    assert gpu_profile.main(["--summarize", str(log)]) == 1
