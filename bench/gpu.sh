@@ -45,9 +45,9 @@
 #          and f32: which launch (not in the default list)
 #   profile  bench/gpu_profile.py under ncu: one decode step's GPU time kernel by kernel
 #          (the synth llama3-8b, or $PROFILE_MODEL; rows $PROFILE_ROWS, default 1,64; context
-#          $PROFILE_CTX, default 128, several given (spaces or commas): a profile each; $PROFILE_SPLIT: key
-#          blocks an attention split takes, default launch.SPLIT_BLOCKS; $PROFILE_TREES:
-#          name=src pairs, each tree in turn, e.g. "main=.exp/main/src new=src")
+#          $PROFILE_CTX, default 128, several given (spaces or commas): a profile each;
+#          $PROFILE_SPLIT: key blocks an attention split takes, default launch.SPLIT_BLOCKS;
+#          $PROFILE_TREES: name=src pairs, each tree in turn, e.g. "main=.exp/main/src new=src")
 #   launches  the same, each launch shape of the 4-bit kernels on the 8B weight shapes
 #   detail  ncu's detailed sections (occupancy, stalls, caches) for the engine's 4-bit launches
 #          ($DETAIL_ARGS: gpu_profile.py --launches arguments, default --rule-only --rows 1,64)
