@@ -94,6 +94,57 @@ static inline __attribute__((always_inline)) float hsum(vfloat v) {
   return c0 + c1;
 }
 
+/* hsum of 16 vectors at once: lane k of the result is hsum(v[k]) to the bit, the same
+ * add tree, with the 16 vectors' adds sharing 15 vector adds (and 30 shuffles) instead of
+ * 16 separate trees of 4 adds and their extracts each. */
+typedef float v16f __attribute__((vector_size(64)));
+static inline __attribute__((always_inline)) v16f as_v16f(vfloat v) {
+  v16f r;
+  memcpy(&r, &v, sizeof r);
+  return r;
+}
+static inline __attribute__((always_inline)) v16f hsum16(const vfloat *v) {
+  v16f a[8], b[4], c[2];
+  for (int p = 0; p < 8; p++) { /* lanes (i, i+8) of vectors 2p, 2p+1: [a_2p | a_2p+1] */
+    const v16f x = as_v16f(v[2 * p]), y = as_v16f(v[2 * p + 1]);
+    a[p] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  }
+  for (int q = 0; q < 4; q++) /* (i, i+4) of each: [b_4q | b_4q+1 | b_4q+2 | b_4q+3] */
+    b[q] = __builtin_shufflevector(a[2 * q], a[2 * q + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * q], a[2 * q + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int r = 0; r < 2; r++) /* (i, i+2): c0 = b0 + b2, c1 = b1 + b3 of 8 vectors */
+    c[r] = __builtin_shufflevector(b[2 * r], b[2 * r + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * r], b[2 * r + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  /* (i, i+1): c0 + c1, the 16 vectors' sums in order */
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+static inline __attribute__((always_inline)) vfloat as_vfloat(v16f v) {
+  vfloat r;
+  memcpy(&r, &v, sizeof r);
+  return r;
+}
+/* Lane-wise (s > m ? s : m): a NaN s keeps m, as a running `best = s > best ? s : best`. */
+static inline __attribute__((always_inline)) vfloat vmax_keep(vfloat s, vfloat m) {
+  VLOOP {
+    vnati gt = s.p[i_] > m.p[i_];
+    vnati si, mi;
+    memcpy(&si, &s.p[i_], sizeof si);
+    memcpy(&mi, &m.p[i_], sizeof mi);
+    vnati r = (si & gt) | (mi & ~gt);
+    memcpy(&m.p[i_], &r, sizeof r);
+  }
+  return m;
+}
 /* Lanes of a where mask is set, else lanes of b. */
 static inline __attribute__((always_inline)) vnat vselect(vnati mask, vnat a, vnat b) {
   vnati ai, bi;
