@@ -160,7 +160,52 @@ int slot_attention(const float *q, int64_t q_stride, int64_t R, int64_t Hq, int6
             best[i] = m > best[i] ? m : best[i];
           }
       } else {
+        /* keys every query of the item attends, in whole aligned blocks of 4 (AVX-512, query
+         * count a multiple of 4): 4 queries x 4 keys at a time below; the rest key by key */
+        int64_t fast_lo = jhi + 1, fast_hi = jhi;
+        if (PARTS == 1 && nq % 4 == 0) {
+          int64_t common_lo = jlo, common_hi = jhi;
+          for (int64_t i = 0; i < nq; i++) {
+            common_lo = lo[i] > common_lo ? lo[i] : common_lo;
+            common_hi = pos[i] < common_hi ? pos[i] : common_hi;
+          }
+          const int64_t a = (common_lo + 3) & ~(int64_t)3, b = ((common_hi + 1) & ~(int64_t)3) - 1;
+          if (a < b) {
+            fast_lo = a;
+            fast_hi = b;
+            for (int64_t g = 0; g < nq / 4; g++) vstore(bestv + g * LANES, vsplat(-__builtin_inff()));
+          }
+        }
+        for (int64_t j0 = fast_lo; j0 < fast_hi; j0 += 4) {
+          const float *kb = pool_row(kpool, table, Hkv, h, j0, D);
+          for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+            /* lane 4u + t: query i0 + u, key j0 + t; hsum16 is hsum's tree lane by lane */
+            vfloat dots[LANES];
+            for (int e = 0; e < LANES; e++) dots[e] = vzero();
+            for (int64_t c = 0; c < chunks; c++) {
+              vfloat k4[4];
+              for (int t = 0; t < 4; t++) k4[t] = vload(kb + t * D + c * LANES);
+              for (int u = 0; u < 4; u++)
+                for (int t = 0; t < 4; t++)
+                  dots[4 * u + t] = vfma(qv[(i0 + u) * chunks + c], k4[t], dots[4 * u + t]);
+            }
+            const v16f sv = hsum16(dots) * scale;
+            for (int u = 0; u < 4; u++)
+              memcpy(scores + (i0 + u) * stride + (j0 - lo[i0 + u]), (const float *)&sv + 4 * u,
+                     4 * sizeof(float));
+            float *bv = bestv + (i0 / 4) * LANES;
+            vstore(bv, vmax_keep(as_vfloat(sv), vload(bv)));
+          }
+        }
+        if (fast_lo <= fast_hi)
+          for (int64_t i = 0; i < nq; i++)
+            for (int t = 0; t < 4; t++) {
+              const float m = bestv[(i / 4) * LANES + 4 * (i % 4) + t];
+              best[i] = m > best[i] ? m : best[i];
+            }
         for (int64_t j = jlo; j <= jhi; j++) {
+          if (j == fast_lo) j = fast_hi + 1;
+          if (j > jhi) break;
           const float *k = pool_row(kpool, table, Hkv, h, j, D);
           vfloat kv[MAX_CHUNKS];
           for (int64_t c = 0; c < chunks; c++) kv[c] = vload(k + c * LANES);
